@@ -1,0 +1,370 @@
+"""Benchmarks. Every ratio is measured side by side in one run: the compared methods take
+turns on the same prompts, in rotating order, so a slow moment of a shared machine hits
+them all alike. Nothing here asserts speed; the numbers go to a table and to JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from autotune.classes import Request, RequestClass, Workload
+from autotune.controller import AutotuneController, default_arms
+from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
+from policies import Context, Policy, make_policy
+from store import Store
+
+BENCH_KS = (1, 2, 3, 4, 6, 8)
+
+
+def _rotate(items: list, i: int) -> list:
+    i %= len(items)
+    return items[i:] + items[:i]
+
+
+def _device_name(engine: SpeculativeEngine) -> str:
+    if engine.device.type == "cuda":
+        return torch.cuda.get_device_name(engine.device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+# ----- bench engine --------------------------------------------------------------------------
+def _hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, arm: Arm | None):
+    inputs = torch.tensor([ids], device=engine.device)
+    kwargs = dict(attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
+                  pad_token_id=min(engine.eos_token_id, default=0))
+    if arm is not None:
+        drafter = engine.drafters[arm.drafter]
+        if isinstance(drafter, NGramDrafter):
+            kwargs.update(prompt_lookup_num_tokens=arm.k)
+        else:
+            kwargs.update(assistant_model=drafter.model, num_assistant_tokens=arm.k,
+                          num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    with torch.inference_mode():
+        engine._sync()
+        start = time.perf_counter()
+        out = engine.target.generate(inputs, **kwargs)
+        seconds = engine._sync() - start
+    return out[0, len(ids):].tolist(), seconds
+
+
+def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_new_tokens: int = 64) -> dict:
+    """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation."""
+    encoded = [engine.encode(p).tolist() for p in prompts]
+    totals = defaultdict(float)
+    tokens = defaultdict(int)
+    identical = True
+    spec_metrics = []
+    off_metrics = []
+    methods = ["hf_generate", "engine_off", "hf_assisted", "engine_spec"]
+    for ids in encoded[:1]:  # warm-up: first calls allocate and pick kernels
+        _hf_generate(engine, ids, 8, None), _hf_generate(engine, ids, 8, arm)
+        engine.generate(ids, OFF, 8), engine.generate(ids, arm, 8)
+    for i, ids in enumerate(encoded):
+        outputs = {}
+        for method in _rotate(methods, i):
+            if method.startswith("hf"):
+                out, seconds = _hf_generate(engine, ids, max_new_tokens, arm if method == "hf_assisted" else None)
+            else:
+                result = engine.generate(ids, OFF if method == "engine_off" else arm, max_new_tokens)
+                out, seconds = result.tokens, result.metrics.total_s
+                (off_metrics if method == "engine_off" else spec_metrics).append(result.metrics)
+            outputs[method] = out
+            totals[method] += seconds
+            tokens[method] += len(out)
+        identical &= all(o == outputs["hf_generate"] for o in outputs.values())
+    tps = {m: tokens[m] / totals[m] for m in methods}
+    drafted = sum(m.drafted for m in spec_metrics)
+    a = sum(m.accepted for m in spec_metrics) / drafted if drafted else 0.0
+    off_step = sum(m.verify_s for m in off_metrics) / sum(m.rounds for m in off_metrics)
+    c = (sum(m.draft_s for m in spec_metrics) / drafted) / off_step if drafted else 0.0
+    speedup = tps["engine_spec"] / tps["engine_off"]
+    k = arm.k
+    expected = (1 - a ** (k + 1)) / ((1 - a) * (c * k + 1)) if a < 1 else (k + 1) / (c * k + 1)
+    return {
+        "device": _device_name(engine),
+        "arm": str(arm),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
+        "ratio_off_vs_hf_generate": round(tps["engine_off"] / tps["hf_generate"], 3),
+        "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3),
+        "speedup_vs_off": round(speedup, 3),
+        "acceptance": round(a, 4),
+        "cost_ratio": round(c, 4),
+        "bound_ratio": round(speedup / expected, 3) if expected > 0 else None,
+        "identical_outputs": identical,
+    }
+
+
+# ----- bench arms ----------------------------------------------------------------------------
+def loops(tokens: list[int], min_len: int = 24) -> bool:
+    """The output ends in a short cycle (a weak model's 'import sys' repeated)."""
+    for period in range(1, 17):
+        span = max(min_len, 3 * period)
+        if len(tokens) >= span and all(tokens[-i] == tokens[-i - period] for i in range(1, span - period + 1)):
+            return True
+    return False
+
+
+def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
+               prompts_per_class: int = 6, max_new_tokens: int | None = None, progress=print) -> dict:
+    """Every class on every arm, side by side; the ground truth the controller must learn."""
+    out = {}
+    warm = engine.encode(next(iter(classes.values())).prompts[0]).tolist()
+    for arm in arms:
+        engine.generate(warm, arm, 4)
+    for name, cls in classes.items():
+        stats = {str(a): defaultdict(float) for a in arms}
+        loop_count = 0
+        prompts = cls.prompts[:prompts_per_class]
+        for i, prompt in enumerate(prompts):
+            ids = engine.encode(prompt).tolist()
+            for arm in _rotate(arms, i):
+                sampling = SamplingParams(cls.temperature, cls.top_p, seed=i)
+                r = engine.generate(ids, arm, max_new_tokens or cls.max_new_tokens, sampling)
+                s = stats[str(arm)]
+                s["tokens"] += r.metrics.new_tokens
+                s["seconds"] += r.metrics.total_s
+                s["drafted"] += r.metrics.drafted
+                s["accepted"] += r.metrics.accepted
+                s["rounds"] += r.metrics.rounds
+                if arm.is_off:
+                    loop_count += loops(r.tokens)
+        off_tps = stats["off"]["tokens"] / stats["off"]["seconds"]
+        arms_out = {}
+        for arm, s in stats.items():
+            tps = s["tokens"] / s["seconds"]
+            arms_out[arm] = {
+                "acceptance": round(s["accepted"] / s["drafted"], 4) if s["drafted"] else None,
+                "mean_accepted": round((s["tokens"] - len(prompts)) / s["rounds"], 3) if s["rounds"] else None,
+                "tokens_per_s": round(tps, 2),
+                "speedup_vs_off": round(tps / off_tps, 3),
+            }
+        best = max(arms_out, key=lambda a: arms_out[a]["tokens_per_s"])
+        out[name] = {"best_arm": best, "loop_rate": round(loop_count / len(prompts), 3), "arms": arms_out}
+        speedup = arms_out[best]["speedup_vs_off"]
+        progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
+    return {"device": _device_name(engine), "prompts_per_class": prompts_per_class, "classes": out}
+
+
+# ----- bench controller ----------------------------------------------------------------------
+class OraclePolicy(Policy):
+    """Hindsight: the ground-truth best arm of each class (not available online)."""
+
+    name = "oracle"
+
+    def __init__(self, arms: list[Arm], best: dict[str, Arm]) -> None:
+        super().__init__([*arms, *best.values()])
+        self.best = best
+
+    def choose(self, context: Context) -> Arm:
+        return self.best.get(context.request_class, OFF)
+
+
+def _goodput(rows: list[dict]) -> float:
+    seconds = sum(r["seconds"] for r in rows)
+    return sum(r["tokens"] for r in rows) / seconds if seconds else 0.0
+
+
+def _run_stream(engine, requests: list[Request], controllers: dict[str, AutotuneController],
+                restart: dict | None = None, progress=print) -> dict[str, list[dict]]:
+    """Serve every request with every controller, rotating who goes first."""
+    log = {name: [] for name in controllers}
+    names = list(controllers)
+    for i, req in enumerate(requests):
+        if restart and i == restart["at"]:
+            for name in restart["names"]:
+                controllers[name] = restart["reopen"](name, controllers[name])
+        for name in _rotate(names, i):
+            r = controllers[name].generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
+                                           req.top_p, req.seed)
+            log[name].append({"class": req.request_class, "arm": str(r.arm), "tokens": r.metrics.new_tokens,
+                              "seconds": r.metrics.total_s, "decision_ms": r.decision_s * 1000})
+        if (i + 1) % 20 == 0:
+            progress(f"  {i + 1}/{len(requests)} requests")
+    return log
+
+
+def _summary(log: dict[str, list[dict]], warmup: float) -> dict:
+    start = int(len(next(iter(log.values()))) * warmup)
+    out = {}
+    for name, rows in log.items():
+        after = rows[start:]
+        per_class = defaultdict(list)
+        for r in after:
+            per_class[r["class"]].append(r)
+        out[name] = {"goodput": round(_goodput(after), 2),
+                     "per_class": {c: round(_goodput(rs), 2) for c, rs in sorted(per_class.items())}}
+    return out
+
+
+def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass], ground_truth: dict,
+                     workload: Workload, out_dir: Path, policies=("thompson", "ucb", "contextual"),
+                     warmup: float = 0.2, drift: Workload | None = None, progress=print) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arms = default_arms(engine)
+    truth = ground_truth["classes"]
+    best = {c: Arm.parse(truth[c]["best_arm"]) for c in truth}
+    # Best single static arm in hindsight: highest mean speedup over the workload's classes.
+    weights = workload.weights
+    static = max((Arm.parse(a) for a in next(iter(truth.values()))["arms"]),
+                 key=lambda a: sum(w * truth[c]["arms"][str(a)]["speedup_vs_off"] for c, w in weights.items()))
+    best_drafter = static.drafter or next(iter(engine.drafters))
+
+    def controllers(tag: str, names) -> dict[str, AutotuneController]:
+        built = {}
+        for name in names:
+            store = Store(f"sqlite:///{out_dir / f'{tag}-{name}.db'}", label=f"bench {tag} {name}")
+            if name == "oracle":
+                policy = OraclePolicy(arms, best)
+            elif name == "static_best":
+                policy = make_policy("static", arms, arm=static)
+            elif name == "heuristic":
+                policy = make_policy("heuristic", arms, arm=Arm(best_drafter, 5))
+            else:
+                policy = make_policy(name, arms)
+            built[name] = AutotuneController(engine, store, policy=policy)
+        return built
+
+    def close(ctls):
+        for c in ctls.values():
+            c.close()
+            c.store.close()
+
+    progress(f"stationary stream: {workload.n_requests} requests; static best in hindsight {static}")
+    main = controllers("main", [*policies, "static_best", "oracle", "off", "heuristic"])
+    log = _run_stream(engine, workload.requests(classes), main, progress=progress)
+    close(main)
+    summary = _summary(log, warmup)
+    lead = policies[0]
+    ctl, oracle, off = summary[lead], summary["oracle"], summary["off"]
+    decisions = sorted(r["decision_ms"] for p in policies for r in log[p])
+    result = {
+        "device": _device_name(engine),
+        "requests": workload.n_requests,
+        "warmup_fraction": warmup,
+        "policy": lead,
+        "static_best_arm": str(static),
+        "oracle_arms": {c: str(a) for c, a in best.items()},
+        "ratio_vs_best_static": round(ctl["goodput"] / summary["static_best"]["goodput"], 3),
+        "ratio_vs_oracle": round(ctl["goodput"] / oracle["goodput"], 3),
+        "ratio_vs_off": round(ctl["goodput"] / off["goodput"], 3),
+        "ratio_vs_heuristic": round(ctl["goodput"] / summary["heuristic"]["goodput"], 3),
+        "worst_class_ratio_vs_off": round(min(ctl["per_class"][c] / off["per_class"][c] for c in off["per_class"]), 3),
+        "regret_fraction": round(1 - ctl["goodput"] / oracle["goodput"], 3),
+        "decision_overhead_ms_p99": round(decisions[int(0.99 * (len(decisions) - 1))], 4),
+        "policies": {p: {"ratio_vs_oracle": round(summary[p]["goodput"] / oracle["goodput"], 3),
+                         "ratio_vs_best_static": round(summary[p]["goodput"] / summary["static_best"]["goodput"], 3),
+                         "ratio_vs_off": round(summary[p]["goodput"] / off["goodput"], 3)} for p in policies},
+        "goodput": summary,
+    }
+    _plot(log, lead, out_dir / "controller_arms.png", out_dir / "controller_regret.png")
+    if drift is not None:
+        result["drift"] = _drift_and_restart(engine, classes, drift, controllers, close, lead, warmup, progress)
+    return result
+
+
+def _windows(log: dict[str, list[dict]], a: str, b: str, size: int) -> list[float]:
+    rows_a, rows_b = log[a], log[b]
+    return [round(_goodput(rows_a[i:i + size]) / _goodput(rows_b[i:i + size]), 3)
+            for i in range(0, len(rows_a), size)]
+
+
+def _drift_and_restart(engine, classes, drift: Workload, controllers, close, lead, warmup, progress) -> dict:
+    """Class weights flip half way; one copy of the policy is also stopped and reopened there."""
+    progress(f"drift stream: {drift.n_requests} requests, weights flip at 50%, '{lead}-restart' restarts there")
+    names = [lead, f"{lead}-restart", "oracle", "off"]
+    ctls = controllers("drift", [n for n in names if n != f"{lead}-restart"])
+    ctls[f"{lead}-restart"] = controllers("restart", [lead])[lead]
+
+    def reopen(name, old: AutotuneController) -> AutotuneController:
+        url = old.store.url
+        old.close()
+        old.store.close()
+        return AutotuneController(engine, Store(url, label="restarted"), policy=make_policy(lead, old.policy.arms))
+
+    half = drift.n_requests // 2
+    log = _run_stream(engine, drift.requests(classes), ctls,
+                      restart={"at": half, "names": [f"{lead}-restart"], "reopen": reopen}, progress=progress)
+    close(ctls)
+    size = max(5, drift.n_requests // 10)
+    settled = int(half * warmup)
+    return {
+        "requests": drift.n_requests,
+        "ratio_vs_oracle_before_flip": round(
+            _goodput(log[lead][settled:half]) / _goodput(log["oracle"][settled:half]), 3),
+        "ratio_vs_oracle_after_flip": round(_goodput(log[lead][half:]) / _goodput(log["oracle"][half:]), 3),
+        "ratio_vs_oracle_by_window": _windows(log, lead, "oracle", size),
+        "restart_ratio_vs_oracle_by_window": _windows(log, f"{lead}-restart", "oracle", size),
+        "restart_vs_uninterrupted_after_restart": round(
+            _goodput(log[f"{lead}-restart"][half:]) / _goodput(log[lead][half:]), 3),
+        "window_size": size,
+    }
+
+
+def _plot(log, policy: str, arms_png: Path, regret_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = log[policy]
+    arm_names = sorted({r["arm"] for r in rows}, key=lambda a: (a != "off", a))
+    classes = sorted({r["class"] for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for c in classes:
+        pts = [(i, arm_names.index(r["arm"])) for i, r in enumerate(rows) if r["class"] == c]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, label=c)
+    ax.set_yticks(range(len(arm_names)), arm_names)
+    ax.set_xlabel("request")
+    ax.set_title(f"arm chosen by {policy}, per class")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(arms_png, dpi=100)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in log:
+        if name == "oracle":
+            continue
+        regret, total = [], 0.0
+        for r, o in zip(log[name], log["oracle"]):
+            total += r["seconds"] - o["seconds"] * (r["tokens"] / o["tokens"] if o["tokens"] else 1.0)
+            regret.append(total)
+        ax.plot(regret, label=name)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_xlabel("request")
+    ax.set_ylabel("seconds lost vs per-class oracle")
+    ax.set_title("cumulative regret")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(regret_png, dpi=100)
+    plt.close(fig)
+
+
+def bench_store(n: int = 5000) -> dict:
+    """Cost of `record()` on the request path (it only enqueues), and of a flush."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, Store(f"sqlite:///{tmp}/bench.db") as store:
+        times = []
+        for i in range(n):
+            start = time.perf_counter()
+            store.record(request_class="code", arm="small:4", prompt_tokens=100, new_tokens=64, goodput=100.0 + i,
+                         acceptance=0.7, acceptance_per_position=[0.9, 0.8, 0.7, 0.6], features={"load": 1})
+            times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        store.flush()
+        flush_s = time.perf_counter() - start
+    times.sort()
+    return {"records": n, "record_us_p50": round(times[n // 2] * 1e6, 2),
+            "record_us_p99": round(times[int(n * 0.99)] * 1e6, 2),
+            "record_us_mean": round(statistics.fmean(times) * 1e6, 2), "flush_all_s": round(flush_s, 4),
+            "rows_per_s_written": round(n / flush_s if flush_s > 0 else math.inf)}
+

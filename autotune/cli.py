@@ -1,0 +1,235 @@
+"""`autotune`: demo, tune, inspect, bench engine|arms|controller|store, zoo train.
+
+Exit codes: 0 success, 1 failure while running, 2 bad usage or bad input, 3 missing or
+unreadable store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from store import StoreError
+
+EXIT_FAILURE, EXIT_USAGE, EXIT_STORE = 1, 2, 3
+
+
+def _emit(result: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+
+
+def _engine(args, drafters=None):
+    from autotune.zoo import load_engine
+
+    return load_engine(args.family, device=args.device, drafters=drafters)
+
+
+def _classes(args):
+    from autotune.classes import builtin_classes
+
+    classes = builtin_classes(include_shared=True)
+    if args.classes:
+        names = args.classes.split(",")
+        missing = [n for n in names if n not in classes]
+        if missing:
+            raise ValueError(f"unknown request class(es) {missing}; known: {sorted(classes)}")
+        return {n: classes[n] for n in names}
+    return {n: c for n, c in classes.items() if n in ("code", "docs", "edit", "creative")}
+
+
+def _existing_store(url: str | None):
+    from store import Store, default_url
+
+    url = url or default_url()
+    if url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.exists():
+            raise StoreError(f"no store at {path}; run `autotune demo` or pass --db URL")
+    return Store(url)
+
+
+def cmd_demo(args) -> None:
+    from autotune.demo import run_demo
+
+    result = run_demo(args.db, args.family, args.device, args.requests, args.policy, args.seed)
+    _emit(result, args.json)
+
+
+def cmd_inspect(args) -> None:
+    from autotune.inspect_store import format_table, latest_policy, policy_table
+
+    with _existing_store(args.db) as store:
+        policy = args.policy or latest_policy(store)
+        rows = policy_table(store, policy)
+        print(f"store: {store.url}\npolicy: {policy or '-'}   observations: {store.count()}\n")
+        print(format_table(rows))
+    _emit({"policy": policy, "classes": rows}, args.json)
+
+
+def cmd_tune(args) -> None:
+    from autotune.controller import default_arms
+    from autotune.tune import priors_from_study, tune_class
+    from store import Store
+
+    engine = _engine(args)
+    classes = _classes(args)
+    with Store(args.db, label="tune") as store:
+        url = store.url
+    result = {"store": url, "classes": {}}
+    for name, cls in classes.items():
+        print(f"tuning {name} ({args.budget} trials) in {url}")
+        study = tune_class(engine, cls, url, default_arms(engine), budget=args.budget, minutes=args.minutes,
+                           prompts_per_trial=args.prompts, sampler=args.sampler, progress=not args.no_progress)
+        best = study.best_trial
+        result["classes"][name] = {"best_params": best.params, "best_goodput": round(best.value, 2),
+                                   "trials": len(study.trials), "priors": priors_from_study(study)}
+        print(f"  best {best.params} at {best.value:.1f} tokens/s after {len(study.trials)} trials")
+    print(f"\nopen the studies with: optuna-dashboard {url}")
+    _emit(result, args.json)
+
+
+def cmd_bench(args) -> None:
+    from autotune import bench
+
+    if args.what == "store":
+        result = bench.bench_store(1000 if args.quick else 5000)
+        print(json.dumps(result, indent=2))
+        return _emit(result, args.json)
+    from engine import Arm
+
+    engine = _engine(args)
+    if args.what == "engine":
+        from autotune.classes import builtin_classes
+
+        prompts = list(builtin_classes(include_shared=False)["code"].prompts[: 3 if args.quick else args.prompts])
+        result = bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens)
+        print(json.dumps(result, indent=2))
+    elif args.what == "arms":
+        ks = (2, 4) if args.quick else bench.BENCH_KS
+        arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
+        result = bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
+                                  32 if args.quick else None)
+        _print_arms(result)
+    else:
+        from autotune.classes import Workload
+
+        classes = _classes(args)
+        if args.arms_json:
+            truth = json.loads(Path(args.arms_json).read_text())
+        else:
+            print("measuring ground truth per class first (bench arms)")
+            arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in (1, 2, 3, 4, 6, 8)]
+            truth = bench.bench_arms(engine, classes, arms, 2 if args.quick else args.prompts)
+        names = list(classes)
+        weights = {n: 1.0 for n in names}
+        n = 40 if args.quick else args.requests
+        flipped = {n_: (3.0 if i >= len(names) // 2 else 0.3) for i, n_ in enumerate(names)}
+        unflipped = {n_: (0.3 if i >= len(names) // 2 else 3.0) for i, n_ in enumerate(names)}
+        drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),))
+        result = bench.bench_controller(engine, classes, truth, Workload(weights, n_requests=n, seed=0),
+                                        Path(args.out), drift=None if args.no_drift else drift)
+        result["ground_truth"] = truth
+        print(json.dumps({k: v for k, v in result.items() if k not in ("goodput", "ground_truth")}, indent=2))
+        print(f"plots: {args.out}/controller_arms.png, {args.out}/controller_regret.png")
+    _emit(result, args.json)
+
+
+def _print_arms(result: dict) -> None:
+    from autotune.inspect_store import format_table
+
+    for name, cls in result["classes"].items():
+        print(f"\n{name}: best arm {cls['best_arm']}, loop rate {cls['loop_rate']}")
+        print(format_table([{"arm": a, **v} for a, v in cls["arms"].items()]))
+
+
+def cmd_zoo_train(args) -> None:
+    from autotune.corpus import shared_corpora_dir
+    from autotune.zoo import FamilySpec, train_family
+
+    corpora = None
+    if args.corpora is not None:
+        corpora = Path(args.corpora) if args.corpora else shared_corpora_dir()
+        if corpora is None:
+            raise ValueError("--corpora given but no corpora folder found (../shared/corpora or $AUTOTUNE_CORPORA)")
+    family = FamilySpec(seed=args.seed).scaled(args.scale)
+    report = train_family(Path(args.out), family, corpora=corpora)
+    print(json.dumps({k: v for k, v in report.items() if k != "family"}, indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autotune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p, engine=True):
+        p.add_argument("--db", help="store URL (default: sqlite file in the user data dir)")
+        p.add_argument("--json", help="also write the result as JSON to this path")
+        if engine:
+            p.add_argument("--family", help="model family folder (default: the built-in family)")
+            p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+        return p
+
+    p = common(sub.add_parser("demo", help="serve a mixed workload through the controller (the main job)"))
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--policy", default="thompson")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+    p = common(sub.add_parser("inspect", help="per-class table of what a policy learned"), engine=False)
+    p.add_argument("--policy", help="policy name (default: the one saved last)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = common(sub.add_parser("tune", help="offline Optuna study per request class"))
+    p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
+    p.add_argument("--budget", type=int, default=20, help="trials per class")
+    p.add_argument("--minutes", type=float, help="time limit per class")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per trial")
+    p.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_tune)
+
+    p = common(sub.add_parser("bench", help="benchmarks: engine, arms, controller, store"))
+    p.add_argument("what", choices=["engine", "arms", "controller", "store"])
+    p.add_argument("--quick", action="store_true", help="a small smoke version")
+    p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
+    p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
+    p.add_argument("--requests", type=int, default=160, help="bench controller: stream length")
+    p.add_argument("--arms-json", help="bench controller: ground truth from `bench arms --json`")
+    p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
+    p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
+    p.set_defaults(func=cmd_bench)
+
+    zoo = sub.add_parser("zoo", help="the model family").add_subparsers(dest="zoo_command", required=True)
+    p = zoo.add_parser("train", help="train the tokenizer and model family")
+    p.add_argument("--out", required=True, help="folder to write the family to")
+    p.add_argument("--corpora", nargs="?", const="", help="add ../shared/corpora (or this folder) to training")
+    p.add_argument("--scale", type=float, default=1.0, help="scale every member's training steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_zoo_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except StoreError as exc:
+        print(f"autotune: store error: {exc}", file=sys.stderr)
+        return EXIT_STORE
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"autotune: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""The online controller: per request, pick an arm for its class, serve it, measure, learn.
+
+Reward is the request's goodput relative to its class's OFF baseline (a discounted mean of
+that class's OFF requests at the same load bucket), so bandit statistics mean "speedup vs
+OFF". What the policy learned is saved to the store every `save_every` requests and on
+close, and loaded again on start, so a restarted controller resumes without re-exploring.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from autotune.classifier import RequestClassifier
+from autotune.metrics import GpuMonitor, request_features
+from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
+from policies import Context, Outcome, Policy, PolicyError, make_policy
+
+BASELINE_POLICY = "__off_baseline__"
+DEFAULT_KS = (1, 2, 3, 4, 6, 8)
+DEFAULT_CLASS = "default"
+
+
+def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) -> list[Arm]:
+    """OFF and every drafter at every K in ks."""
+    return [OFF] + [Arm(name, k) for name in engine.drafters for k in ks if k <= MAX_K]
+
+
+@dataclass
+class ControlledResult:
+    text: str | None
+    tokens: list[int]
+    request_class: str
+    arm: Arm
+    metrics: GenerationMetrics
+    goodput: float
+    reward: float
+    decision_s: float
+    load: int
+    gpu_util: float | None
+    gpu_mem_mb: float | None
+    fell_back: bool
+
+
+class AutotuneController:
+    def __init__(
+        self,
+        engine: SpeculativeEngine,
+        store=None,
+        policy: str | Policy = "thompson",
+        arms: list[Arm] | None = None,
+        classifier: RequestClassifier | None = None,
+        save_every: int = 25,
+        baseline_discount: float = 0.95,
+        **policy_kwargs,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        arms = arms if arms is not None else default_arms(engine)
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, arms, **policy_kwargs)
+        for arm in self.policy.arms:
+            self._check_arm(arm)
+        self.classifier = classifier
+        self.save_every = save_every
+        self.baseline_discount = baseline_discount
+        self.baselines: dict[str, list[float]] = {}  # key -> [discounted count, discounted sum]
+        self.gpu = GpuMonitor()
+        self._policy_lock = threading.Lock()
+        self._engine_lock = threading.Lock()
+        self._load_lock = threading.Lock()
+        self._in_flight = 0
+        self._updates = 0
+        self._dirty: set[str] = set()
+        if store is not None:
+            for record in engine.model_records:
+                store.register_model(**record)
+            self.policy.load_state_dict(store.load_policy_states(self.policy.name))
+            self.baselines = {k: list(v["off"]) for k, v in store.load_policy_states(BASELINE_POLICY).items()}
+
+    def _check_arm(self, arm: Arm) -> None:
+        if not arm.is_off and arm.drafter not in self.engine.drafters:
+            raise PolicyError(
+                f"policy {self.policy.name!r} chose arm {arm} but the engine has no drafter {arm.drafter!r};"
+                f" it has: {sorted(self.engine.drafters)}"
+            )
+
+    # ----- serving ------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[int],
+        request_class: str | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> ControlledResult:
+        """Serve one request on the arm the policy picks for its class; learn from it."""
+        sampling = SamplingParams(temperature, top_p, seed)
+        ids = self.engine.encode(prompt).tolist()
+        features = request_features(ids, max_new_tokens, temperature, top_p)
+        classified = request_class is None
+        with self._load_lock:
+            self._in_flight += 1
+            load = self._in_flight
+        try:
+            started = time.perf_counter()
+            if classified:
+                request_class = self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS
+            context = Context(request_class, load, features)
+            with self._policy_lock:
+                arm = self.policy.choose(context)
+                schedule = self.policy.schedule(context, arm)
+            decision_s = time.perf_counter() - started
+            self._check_arm(arm)
+            with self._engine_lock, self.gpu.measure() as gpu:
+                result = self.engine.generate(ids, arm, max_new_tokens, sampling, schedule)
+            goodput = result.metrics.tokens_per_s
+            reward = self._reward(context.key, arm, goodput, result.fell_back)
+            with self._policy_lock:
+                self.policy.update(context, arm, Outcome(goodput, reward, result.metrics.acceptance,
+                                                         result.metrics.new_tokens))
+                self._dirty.add(context.key)
+                self._updates += 1
+                if self.store is not None and self._updates % self.save_every == 0:
+                    self._save_locked()
+            if self.store is not None:
+                self._record(result, request_class, classified, load, goodput, reward, gpu, features, sampling)
+            return ControlledResult(
+                result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
+                load, gpu.util, gpu.mem_mb, result.fell_back,
+            )
+        finally:
+            with self._load_lock:
+                self._in_flight -= 1
+
+    def _reward(self, key: str, arm: Arm, goodput: float, fell_back: bool) -> float:
+        with self._policy_lock:
+            base = self.baselines.setdefault(key, [0.0, 0.0])
+            if arm.is_off or fell_back:
+                base[0] = base[0] * self.baseline_discount + 1.0
+                base[1] = base[1] * self.baseline_discount + goodput
+            return goodput / (base[1] / base[0]) if base[0] > 0 else 1.0
+
+    def _record(self, result, request_class, classified, load, goodput, reward, gpu, features, sampling) -> None:
+        m = result.metrics
+        self.store.record(
+            request_class=request_class, arm=str(result.arm), policy=self.policy.name,
+            prompt_tokens=m.prompt_tokens, new_tokens=m.new_tokens, rounds=m.rounds, drafted=m.drafted,
+            accepted=m.accepted, acceptance=m.acceptance, acceptance_per_position=m.acceptance_per_position,
+            prefill_s=m.prefill_s, draft_s=m.draft_s, verify_s=m.verify_s, total_s=m.total_s,
+            goodput=goodput, reward=reward, gpu_util=gpu.util, gpu_mem_mb=gpu.mem_mb, load=load,
+            temperature=sampling.temperature, fell_back=result.fell_back, classified=classified,
+            features=features, engine_identity=self.engine.identity,
+        )
+
+    # ----- persistence --------------------------------------------------------------------
+    def _save_locked(self) -> None:
+        state = self.policy.state_dict()
+        policy_wide = {key for key in state if "@" not in key}  # e.g. the contextual history
+        for key in sorted(self._dirty | policy_wide):
+            if key in state:
+                self.store.save_policy_state(self.policy.name, key, state[key])
+            if key in self.baselines:
+                self.store.save_policy_state(BASELINE_POLICY, key, {"off": self.baselines[key]})
+        self._dirty.clear()
+
+    def save(self) -> None:
+        if self.store is not None:
+            with self._policy_lock:
+                self._save_locked()
+
+    def close(self) -> None:
+        """Save what was learned and flush every observation to the store."""
+        if self.store is not None:
+            self.save()
+            self.store.flush()
+
+    def __enter__(self) -> AutotuneController:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,293 @@
+"""The speculative decoding engine: one target, any number of named drafters, one loop.
+
+Invariant of the loop: `tokens` holds prompt + committed output, and the target's KV cache
+holds every position except the last token. A round feeds [last, d1..dK] to the target in
+one forward pass, keeps the longest accepted prefix plus one target token, and crops the
+cache back to len(tokens) - 1. OFF is the same round with K = 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from engine.arms import MAX_K, OFF, Arm
+from engine.drafters import Drafter, ModelDrafter, new_cache, truncate_cache
+from engine.errors import IncompatibleDrafterError, InvalidRequestError
+from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
+from engine.schedule import ConstantK, KSchedule
+
+
+@dataclass
+class GenerationMetrics:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def acceptance(self) -> float | None:
+        """Fraction of drafted tokens the target kept; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward after prefill (1.0 for OFF)."""
+        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            acceptance=self.acceptance,
+            acceptance_per_position=self.acceptance_per_position,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_s=self.tokens_per_s,
+        )
+        return out
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only
+    arm: Arm
+    metrics: GenerationMetrics
+    text: str | None = None
+    fell_back: bool = False  # speculation failed mid-request and OFF finished it
+    fallback_error: str | None = None
+
+
+def _load(path_or_model, device, dtype) -> PreTrainedModel:
+    if isinstance(path_or_model, (str, Path)):
+        path_or_model = AutoModelForCausalLM.from_pretrained(path_or_model, dtype=dtype)
+    return path_or_model.to(device=device, dtype=dtype).eval()
+
+
+class SpeculativeEngine:
+    """Holds a target and named drafters on one device and dtype, and runs requests on arms."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel | str | Path,
+        drafters: dict[str, PreTrainedModel | str | Path | Drafter] | None = None,
+        tokenizer=None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        static_cache: bool = True,
+    ) -> None:
+        self.device = torch.device(device)
+        self.static_cache = static_cache
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = dtype
+        if tokenizer is None and isinstance(target, (str, Path)):
+            tokenizer = AutoTokenizer.from_pretrained(target)
+        self.tokenizer = tokenizer
+        self.target = _load(target, self.device, dtype)
+        self.vocab_size = self.target.config.vocab_size
+        self.max_length = getattr(self.target.config, "max_position_embeddings", None)
+        self.eos_token_id = self._eos_ids()
+        self.identity = ""  # names + content hashes of the models, recorded with every observation
+        self.model_records: list[dict] = []  # name, role, path, content_hash, params, size_bytes
+        self.drafters: dict[str, Drafter] = {}
+        for name, drafter in (drafters or {}).items():
+            self.add_drafter(name, drafter)
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.target.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = self.target.config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return set()
+        return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+    def add_drafter(self, name: str, drafter, tokenizer=None) -> None:
+        """Register a drafter: a model, a local model folder, or any `Drafter` object."""
+        if isinstance(drafter, (str, Path)):
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(drafter)
+            drafter = _load(drafter, self.device, self.dtype)
+        if isinstance(drafter, PreTrainedModel):
+            drafter = ModelDrafter(_load(drafter, self.device, self.dtype), tokenizer)
+        if isinstance(drafter, ModelDrafter):
+            drafter.static_cache = self.static_cache
+        vocab = getattr(drafter, "vocab_size", None)
+        if vocab is not None and vocab != self.vocab_size:
+            raise IncompatibleDrafterError(
+                f"drafter {name!r} has vocabulary size {vocab}, the target has {self.vocab_size}:"
+                " a drafter must share the target's tokenizer"
+            )
+        drafter_tok = getattr(drafter, "tokenizer", None)
+        if drafter_tok is not None and self.tokenizer is not None:
+            if drafter_tok.get_vocab() != self.tokenizer.get_vocab():
+                raise IncompatibleDrafterError(
+                    f"drafter {name!r} uses a tokenizer that does not match the target's"
+                )
+        self.drafters[name] = drafter
+
+    @property
+    def arms_available(self) -> list[str]:
+        return ["off", *self.drafters]
+
+    def encode(self, prompt: str | list[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids out of vocabulary range: {bad[:5]}")
+        return torch.tensor(ids, device=self.device)
+
+    def _check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int) -> Drafter | None:
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.max_length is not None and prompt_len + max_new_tokens > self.max_length:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
+                f" target's context of {self.max_length} tokens"
+            )
+        if arm.is_off:
+            return None
+        if arm.drafter not in self.drafters:
+            raise InvalidRequestError(
+                f"unknown drafter {arm.drafter!r}; this engine has: {sorted(self.drafters) or 'none'}"
+            )
+        drafter = self.drafters[arm.drafter]
+        limit = getattr(drafter, "max_length", None)
+        if limit is not None and prompt_len + max_new_tokens + arm.k > limit:
+            raise InvalidRequestError(
+                f"prompt + max_new_tokens + K exceeds drafter {arm.drafter!r}'s context of {limit}"
+            )
+        return drafter
+
+    def _sync(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | list[int] | torch.Tensor,
+        arm: Arm | str = OFF,
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+        schedule: KSchedule | None = None,
+    ) -> GenerationResult:
+        """Decode one request on `arm`; the output is the target's own, whatever the arm."""
+        arm = Arm.parse(arm) if isinstance(arm, str) else arm
+        sampling = sampling or SamplingParams()
+        schedule = schedule or ConstantK()
+        ids = self.encode(prompt)
+        drafter = self._check_request(ids.numel(), arm, max_new_tokens)
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+
+        m = GenerationMetrics(prompt_tokens=ids.numel())
+        m.drafted_per_position = [0] * MAX_K
+        m.accepted_per_position = [0] * MAX_K
+        result = GenerationResult(tokens=[], arm=arm, metrics=m)
+        start = self._sync()
+
+        max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
+        cache = new_cache(self.target, max_length, self.static_cache)
+        logits = self.target(ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]
+        tokens = ids.tolist()
+        tokens.append(self._pick(logits[-1], sampling, generator))
+        if drafter is not None:
+            drafter.begin(ids, max_length)
+        now = self._sync()
+        m.prefill_s = now - start
+
+        k = arm.k
+        done = tokens[-1] in self.eos_token_id
+        while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
+            remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
+            draft, q = [], None
+            if drafter is not None and remaining > 1:
+                try:
+                    draft, q = drafter.propose(tokens, min(k, remaining - 1), sampling, generator)
+                except Exception as exc:  # speculation must never lose a request
+                    drafter, result.fell_back = None, True
+                    result.fallback_error = f"{type(exc).__name__}: {exc}"
+                    draft, q = [], None
+                before_verify = self._sync()
+                m.draft_s += before_verify - now
+                now = before_verify
+
+            step = torch.tensor([[tokens[-1], *draft]], device=self.device)
+            logits = self.target(
+                step, past_key_values=cache, use_cache=True, logits_to_keep=step.shape[1]
+            ).logits[0]
+            if sampling.greedy:
+                n, nxt = verify_greedy(logits, draft)
+            else:
+                n, nxt = verify_sampled(probabilities(logits, sampling), draft, q, generator)
+
+            prev = len(tokens)
+            tokens.extend(draft[:n])
+            tokens.append(nxt)
+            truncate_cache(cache, len(tokens) - 1)
+            for i, t in enumerate(tokens[prev:]):  # an EOS inside an accepted draft ends it there
+                if t in self.eos_token_id:
+                    del tokens[prev + i + 1 :]
+                    done = True
+                    break
+            if draft:
+                m.drafted += len(draft)
+                m.accepted += n
+                for i in range(len(draft)):
+                    m.drafted_per_position[i] += 1
+                    m.accepted_per_position[i] += i < n
+                if drafter is not None:
+                    drafter.rollback(prev + n)
+                k = schedule.next_k(k, len(draft), n)
+            m.rounds += 1
+            before = now
+            now = self._sync()
+            m.verify_s += now - before
+
+        used = max((i + 1 for i, d in enumerate(m.drafted_per_position) if d), default=0)
+        m.drafted_per_position = m.drafted_per_position[:used]
+        m.accepted_per_position = m.accepted_per_position[:used]
+        result.tokens = tokens[m.prompt_tokens :]
+        m.new_tokens = len(result.tokens)
+        m.total_s = self._sync() - start
+        if self.tokenizer is not None:
+            result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        return result
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        return sample(probabilities(logits, sampling), generator)

@@ -1,0 +1,87 @@
+"""Sampling parameters and the verification rules that keep speculation lossless.
+
+Greedy: a draft token is kept while it equals the target's argmax.
+Sampling: the standard rejection scheme (Leviathan et al. 2023, Chen et al. 2023): keep draft
+token x with probability min(1, p(x)/q(x)); on the first rejection sample from
+normalize(max(p - q, 0)); if all K are kept, sample a bonus token from p. A drafter without a
+distribution (n-gram lookup) is a point mass, q(x) = 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; seed makes a sampled request reproducible."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits [..., V] into the distribution the request samples from (temperature, top-p)."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+    """Return (number of draft tokens kept, the target's next token) for K+1 verify logits."""
+    choice = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(draft) and draft[n] == choice[n]:
+        n += 1
+    return n, choice[n]
+
+
+def verify_sampled(
+    target_probs: torch.Tensor,
+    draft: list[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Rejection sampling over K drafts; target_probs is [K+1, V], draft_probs [K, V] or None."""
+    device = target_probs.device
+    uniforms = torch.rand(len(draft), generator=generator, device=device).tolist() if draft else []
+    for i, x in enumerate(draft):
+        p = target_probs[i]
+        p_x = float(p[x])
+        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        if uniforms[i] * q_x < p_x:  # accept with probability min(1, p/q), no division by zero
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            residual = torch.clamp(p - draft_probs[i], min=0.0)
+        total = float(residual.sum())
+        # A rejection implies p(x) < q(x), hence positive residual mass; guard float underflow.
+        return i, sample(residual / total if total > 0 else p, generator)
+    return len(draft), sample(target_probs[len(draft)], generator)

@@ -1,0 +1,206 @@
+"""UCB and Thompson sampling over arms, per request class and load bucket.
+
+Reward is goodput relative to the class's OFF baseline, so statistics from different
+classes are comparable and can be pooled into priors for a new class. Every update
+discounts all arms of its key (gamma), so old evidence fades and the policy follows
+drift; an arm that went unpulled grows uncertain and gets probed again. The OFF guard
+sends a class to OFF once its best speculative arm is confidently slower than OFF, and
+still probes rarely so the class can come back.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from engine import OFF, Arm
+from policies.base import Context, Outcome, Policy
+
+PRIOR_VARIANCE = 0.25  # reward variance assumed before an arm has data (reward ~ 1 +- 0.5)
+
+
+class ArmTable:
+    """Discounted count, sum and sum of squares of rewards for each arm of one key."""
+
+    def __init__(self, arms: list[str], rows: dict | None = None) -> None:
+        self.rows = {a: [0.0, 0.0, 0.0] for a in arms}
+        self.counts = dict.fromkeys(arms, 0)  # real pulls, undiscounted (priors excluded)
+        self.pulls = 0
+        self.guarded = False
+        if rows:
+            self.rows.update({a: list(v) for a, v in rows.items() if a in self.rows})
+
+    def n(self, arm: str) -> float:
+        return self.rows[arm][0]
+
+    def mean(self, arm: str, default: float = 1.0) -> float:
+        n, s, _ = self.rows[arm]
+        return s / n if n > 1e-9 else default
+
+    def pooled_variance(self) -> float:
+        """Noise level of rewards in this key, pooled over arms (stabler than per arm)."""
+        n_all = sum(r[0] for r in self.rows.values())
+        if n_all < 2:
+            return PRIOR_VARIANCE
+        within = sum(max(0.0, ss - s * s / n) for n, s, ss in self.rows.values() if n > 1e-9)
+        return max(within / max(n_all - 1, 1.0), 1e-4)
+
+    def update(self, arm: str, reward: float, discount: float) -> None:
+        for row in self.rows.values():
+            row[0] *= discount
+            row[1] *= discount
+            row[2] *= discount
+        row = self.rows[arm]
+        row[0] += 1.0
+        row[1] += reward
+        row[2] += reward * reward
+        self.counts[arm] += 1
+        self.pulls += 1
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "counts": self.counts, "pulls": self.pulls, "guarded": self.guarded}
+
+    @classmethod
+    def from_dict(cls, arms: list[str], state: dict) -> ArmTable:
+        table = cls(arms, state.get("rows"))
+        table.counts.update({a: int(c) for a, c in state.get("counts", {}).items() if a in table.counts})
+        table.pulls = int(state.get("pulls", 0))
+        table.guarded = bool(state.get("guarded", False))
+        return table
+
+
+class BanditPolicy(Policy):
+    def __init__(
+        self,
+        arms: list[Arm],
+        discount: float = 0.99,
+        prior_weight: float = 2.0,
+        guard: bool = True,
+        guard_z: float = 1.0,
+        probe_rate: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(arms)
+        self.arm_names = [str(a) for a in self.arms]
+        self.by_name = {str(a): a for a in self.arms}
+        self.discount = discount
+        self.prior_weight = prior_weight
+        self.guard = guard
+        self.guard_z = guard_z
+        self.probe_rate = probe_rate
+        self.rng = random.Random(seed)
+        self.tables: dict[str, ArmTable] = {}
+        self.priors: dict[str, dict[str, tuple[float, float]]] = {}  # class -> arm -> (mean, weight)
+
+    # ----- priors -------------------------------------------------------------------------
+    def set_prior(self, request_class: str, priors: dict[str, tuple[float, float]]) -> None:
+        """Seed a class from an offline study: {arm: (mean reward, pseudo-count)}."""
+        self.priors[request_class] = priors
+
+    def _new_table(self, context: Context) -> ArmTable:
+        table = ArmTable(self.arm_names)
+        explicit = self.priors.get(context.request_class)
+        if explicit:
+            source, variance = explicit, PRIOR_VARIANCE
+        else:
+            same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
+            tables = same_class or list(self.tables.values())
+            source = self._pooled(tables)
+            variance = sum(t.pooled_variance() for t in tables) / len(tables) if tables else PRIOR_VARIANCE
+        for arm, (mean, weight) in source.items():
+            if arm in table.rows and weight > 0:
+                # Pseudo-observations at the prior mean, spread like the source's rewards.
+                table.rows[arm] = [weight, mean * weight, weight * (mean * mean + variance)]
+        return table
+
+    def _pooled(self, tables: list[ArmTable]) -> dict[str, tuple[float, float]]:
+        pooled = {}
+        for arm in self.arm_names:
+            n = sum(t.n(arm) for t in tables)
+            if n > 1e-9:
+                pooled[arm] = (sum(t.rows[arm][1] for t in tables) / n, self.prior_weight)
+        return pooled
+
+    def table(self, context: Context) -> ArmTable:
+        if context.key not in self.tables:
+            self.tables[context.key] = self._new_table(context)
+        return self.tables[context.key]
+
+    # ----- decisions ----------------------------------------------------------------------
+    def choose(self, context: Context) -> Arm:
+        table = self.table(context)
+        if table.counts[str(OFF)] == 0:
+            return OFF  # the class's own baseline comes first: rewards are relative to it
+        guarded = self._guard(table)
+        if guarded is not None:
+            return guarded
+        return self.by_name[self._pick(table)]
+
+    def _guard(self, table: ArmTable) -> Arm | None:
+        table.guarded = False
+        if not self.guard:
+            return None
+        spec = [a for a in self.arm_names if a != str(OFF)]
+        if not spec or any(table.n(a) < 1e-9 for a in spec):
+            return None  # not every arm has evidence yet
+        sd = math.sqrt(table.pooled_variance())
+        best = max(spec, key=table.mean)
+        upper = table.mean(best) + self.guard_z * sd / math.sqrt(table.n(best))
+        if upper >= table.mean(str(OFF)):
+            return None
+        table.guarded = True
+        return self.by_name[best] if self.rng.random() < self.probe_rate else OFF
+
+    def _pick(self, table: ArmTable) -> str:
+        raise NotImplementedError
+
+    def update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
+        self.table(context).update(str(arm), outcome.reward, self.discount)
+
+    # ----- persistence --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict]:
+        return {key: table.to_dict() for key, table in self.tables.items()}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        for key, table_state in state.items():
+            self.tables[key] = ArmTable.from_dict(self.arm_names, table_state)
+
+
+class UCBPolicy(BanditPolicy):
+    """Upper confidence bound with the key's pooled reward noise as the scale."""
+
+    name = "ucb"
+
+    def __init__(self, arms: list[Arm], exploration: float = 1.0, **kw) -> None:
+        super().__init__(arms, **kw)
+        self.exploration = exploration
+
+    def _pick(self, table: ArmTable) -> str:
+        untried = [a for a in self.arm_names if table.n(a) < 1e-9]
+        if untried:
+            return untried[0]
+        sd = math.sqrt(table.pooled_variance())
+        total = sum(table.n(a) for a in self.arm_names)
+        log_term = 2.0 * math.log(max(total, 2.0))
+
+        def score(arm: str) -> float:
+            return table.mean(arm) + self.exploration * sd * math.sqrt(log_term / table.n(arm))
+
+        return max(self.arm_names, key=score)
+
+
+class ThompsonPolicy(BanditPolicy):
+    """Gaussian Thompson sampling: draw each arm's mean from its posterior, play the best."""
+
+    name = "thompson"
+
+    def _pick(self, table: ArmTable) -> str:
+        var = table.pooled_variance()
+
+        def draw(arm: str) -> float:
+            n = table.n(arm)
+            if n < 1e-9:
+                return self.rng.gauss(1.0, math.sqrt(PRIOR_VARIANCE))
+            return self.rng.gauss(table.mean(arm), math.sqrt(var / n))
+
+        return max(self.arm_names, key=draw)

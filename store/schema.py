@@ -1,0 +1,92 @@
+"""Tables of the store. Bump SCHEMA_VERSION and add a step to MIGRATIONS on any change."""
+
+from __future__ import annotations
+
+from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Meta(Base):
+    __tablename__ = "autotune_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
+class Run(Base):
+    """One process lifetime of a controller, tuner or benchmark."""
+
+    __tablename__ = "autotune_runs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    label: Mapped[str] = mapped_column(String(256), default="")
+
+
+class ModelRecord(Base):
+    __tablename__ = "autotune_models"
+    __table_args__ = (UniqueConstraint("name", "content_hash"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))  # target | drafter
+    path: Mapped[str] = mapped_column(String(1024), default="")
+    content_hash: Mapped[str] = mapped_column(String(64))
+    params: Mapped[int] = mapped_column(Integer, default=0)
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Observation(Base):
+    """One served request: what was chosen, what it cost, what it achieved."""
+
+    __tablename__ = "autotune_observations"
+    __table_args__ = (Index("ix_obs_class_arm", "request_class", "arm"), Index("ix_obs_time", "created_at"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[float] = mapped_column(Float)
+    request_class: Mapped[str] = mapped_column(String(128))
+    arm: Mapped[str] = mapped_column(String(64))  # "off" or "drafter:K"
+    policy: Mapped[str] = mapped_column(String(64), default="")
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    new_tokens: Mapped[int] = mapped_column(Integer)
+    rounds: Mapped[int] = mapped_column(Integer, default=0)
+    drafted: Mapped[int] = mapped_column(Integer, default=0)
+    accepted: Mapped[int] = mapped_column(Integer, default=0)
+    acceptance: Mapped[float | None] = mapped_column(Float, nullable=True)
+    acceptance_per_position: Mapped[list] = mapped_column(JSON, default=list)
+    prefill_s: Mapped[float] = mapped_column(Float, default=0.0)
+    draft_s: Mapped[float] = mapped_column(Float, default=0.0)
+    verify_s: Mapped[float] = mapped_column(Float, default=0.0)
+    total_s: Mapped[float] = mapped_column(Float, default=0.0)
+    goodput: Mapped[float] = mapped_column(Float)  # output tokens per second of the request
+    reward: Mapped[float | None] = mapped_column(Float, nullable=True)  # goodput / class OFF baseline
+    gpu_util: Mapped[float | None] = mapped_column(Float, nullable=True)
+    gpu_mem_mb: Mapped[float | None] = mapped_column(Float, nullable=True)
+    load: Mapped[int] = mapped_column(Integer, default=1)
+    temperature: Mapped[float] = mapped_column(Float, default=0.0)
+    fell_back: Mapped[bool] = mapped_column(Boolean, default=False)
+    classified: Mapped[bool] = mapped_column(Boolean, default=False)  # class predicted, not given
+    features: Mapped[dict] = mapped_column(JSON, default=dict)
+    engine_identity: Mapped[str] = mapped_column(String(512), default="")
+
+
+class PolicyState(Base):
+    """Every saved version of a policy's state for one class; the newest one is resumed."""
+
+    __tablename__ = "autotune_policy_states"
+    __table_args__ = (UniqueConstraint("policy", "request_class", "version"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    policy: Mapped[str] = mapped_column(String(64))
+    request_class: Mapped[str] = mapped_column(String(128))
+    version: Mapped[int] = mapped_column(Integer)
+    saved_at: Mapped[float] = mapped_column(Float)
+    state: Mapped[dict] = mapped_column(JSON)
+
+
+OUR_TABLES = {t.name for t in Base.metadata.sorted_tables}
+
+# version -> function(connection) that upgrades a database from that version to the next.
+MIGRATIONS: dict = {}

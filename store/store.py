@@ -1,0 +1,322 @@
+"""The store: observations, policy state, model registry and tuning studies in one database.
+
+SQLite by default (WAL, busy timeout, BEGIN IMMEDIATE so concurrent writers queue instead
+of failing), any SQLAlchemy URL otherwise. Observations are written by a background thread
+in batches, so `record()` only enqueues; `flush()` and `close()` write everything.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import create_engine, event, func, insert, inspect, select, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DatabaseError, OperationalError
+
+from store.schema import (
+    MIGRATIONS,
+    OUR_TABLES,
+    SCHEMA_VERSION,
+    Base,
+    Meta,
+    ModelRecord,
+    Observation,
+    PolicyState,
+    Run,
+)
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class StoreError(Exception):
+    """The store cannot be opened or used; the message says why and what to do."""
+
+
+def default_url() -> str:
+    """sqlite file in the user data directory ($AUTOTUNE_HOME or $XDG_DATA_HOME/spec-autotune)."""
+    home = os.environ.get("AUTOTUNE_HOME")
+    if home is None:
+        base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        home = Path(base) / "spec-autotune"
+    Path(home).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{Path(home) / 'autotune.db'}"
+
+
+def _sqlite_path(url: str) -> Path | None:
+    if not url.startswith("sqlite"):
+        return None
+    path = url.split(":///", 1)[1] if ":///" in url else ""
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _check_sqlite_file(path: Path) -> None:
+    if path.exists() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            header = f.read(16)
+        if header != SQLITE_MAGIC:
+            raise StoreError(f"{path} is not a SQLite database (bad header); refusing to open or overwrite it")
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 60000")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock up front: no upgrade deadlock
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    request_class: str
+    arm: str
+    count: int
+    goodput_mean: float
+    goodput_var: float
+    acceptance_mean: float | None
+    reward_mean: float | None
+
+
+class Store:
+    """Open (or create) the database at `url`; use as a context manager or call close()."""
+
+    def __init__(self, url: str | None = None, label: str = "", queue_size: int = 10_000) -> None:
+        self.url = url or default_url()
+        path = _sqlite_path(self.url)
+        if path is not None:
+            _check_sqlite_file(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.engine = create_engine(self.url)
+        except Exception as exc:  # bad URL, missing driver
+            raise StoreError(f"cannot open store {self.url!r}: {exc}") from exc
+        if self.engine.dialect.name == "sqlite":
+            _configure_sqlite(self.engine)
+        self._init_schema()
+        self.run_id = uuid.uuid4().hex
+        with self.engine.begin() as conn:
+            conn.execute(insert(Run).values(id=self.run_id, started_at=time.time(), label=label))
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._writer = threading.Thread(target=self._write_loop, name="autotune-store-writer", daemon=True)
+        self._writer.start()
+        self._closed = False
+
+    # ----- schema -------------------------------------------------------------------------
+    def _init_schema(self) -> None:
+        try:
+            with self.engine.begin() as conn:
+                present = set(inspect(conn).get_table_names()) & OUR_TABLES
+                if not present:
+                    Base.metadata.create_all(conn)
+                    conn.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+                    return
+                if Meta.__tablename__ not in present:
+                    raise StoreError(f"{self.url}: autotune tables without a schema version; refusing to use it")
+                version = int(conn.execute(select(Meta.value).where(Meta.key == "schema_version")).scalar_one())
+                if version > SCHEMA_VERSION:
+                    raise StoreError(
+                        f"{self.url} has schema version {version}, newer than this autotune supports"
+                        f" ({SCHEMA_VERSION}); upgrade autotune. The database was left untouched."
+                    )
+                while version < SCHEMA_VERSION:
+                    if version not in MIGRATIONS:
+                        raise StoreError(f"{self.url}: no migration from schema version {version}")
+                    MIGRATIONS[version](conn)
+                    version += 1
+                    conn.execute(Meta.__table__.update().where(Meta.key == "schema_version").values(value=str(version)))
+                Base.metadata.create_all(conn)  # tables added without a version change
+        except StoreError:
+            raise
+        except (DatabaseError, OperationalError) as exc:
+            raise StoreError(f"cannot open store {self.url}: {exc.orig}") from exc
+
+    # ----- writes -------------------------------------------------------------------------
+    def record(self, **observation) -> None:
+        """Queue one observation for the background writer (blocks only if the queue is full)."""
+        if self._error is not None:
+            raise StoreError(f"the store writer failed: {self._error}") from self._error
+        observation.setdefault("created_at", time.time())
+        observation.setdefault("run_id", self.run_id)
+        self._queue.put(observation)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch, stop = ([] if item is None else [item]), item is None
+            done = 1
+            while not stop and len(batch) < 512:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                done += 1
+                if item is None:
+                    stop = True
+                else:
+                    batch.append(item)
+            try:
+                if batch:
+                    with self.engine.begin() as conn:
+                        conn.execute(insert(Observation), batch)
+            except BaseException as exc:  # surfaced to the caller on the next record/flush
+                self._error = exc
+            finally:
+                for _ in range(done):
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def flush(self) -> None:
+        """Block until every recorded observation is committed."""
+        self._queue.join()
+        if self._error is not None:
+            raise StoreError(f"the store writer failed: {self._error}") from self._error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._writer.join()
+        self.engine.dispose()
+        if self._error is not None:
+            raise StoreError(f"the store writer failed: {self._error}") from self._error
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----- policy state --------------------------------------------------------------------
+    def save_policy_state(self, policy: str, request_class: str, state: dict, keep: int = 200) -> int:
+        """Append a new version of a policy's state for a class (keeping the newest `keep`)."""
+        with self.engine.begin() as conn:
+            last = conn.execute(
+                select(func.max(PolicyState.version)).where(
+                    PolicyState.policy == policy, PolicyState.request_class == request_class
+                )
+            ).scalar()
+            version = (last or 0) + 1
+            conn.execute(
+                insert(PolicyState).values(
+                    policy=policy, request_class=request_class, version=version, saved_at=time.time(), state=state
+                )
+            )
+            conn.execute(PolicyState.__table__.delete().where(
+                PolicyState.policy == policy, PolicyState.request_class == request_class,
+                PolicyState.version <= version - keep,
+            ))
+        return version
+
+    def load_policy_states(self, policy: str) -> dict[str, dict]:
+        """Newest saved state of `policy` for every class: {class: state}."""
+        newest = (
+            select(PolicyState.request_class, func.max(PolicyState.version).label("v"))
+            .where(PolicyState.policy == policy)
+            .group_by(PolicyState.request_class)
+            .subquery()
+        )
+        query = select(PolicyState.request_class, PolicyState.state).join(
+            newest,
+            (PolicyState.request_class == newest.c.request_class) & (PolicyState.version == newest.c.v),
+        ).where(PolicyState.policy == policy)
+        with self.engine.connect() as conn:
+            return {row.request_class: row.state for row in conn.execute(query)}
+
+    def policy_history(self, policy: str | None = None) -> list[dict]:
+        query = select(PolicyState).order_by(PolicyState.saved_at)
+        if policy is not None:
+            query = query.where(PolicyState.policy == policy)
+        with self.engine.connect() as conn:
+            return [dict(row._mapping) for row in conn.execute(query.with_only_columns(*PolicyState.__table__.c))]
+
+    # ----- registry ------------------------------------------------------------------------
+    def register_model(self, name: str, role: str, content_hash: str, path: str = "", params: int = 0,
+                       size_bytes: int = 0) -> None:
+        with self.engine.begin() as conn:
+            exists = conn.execute(
+                select(ModelRecord.id).where(ModelRecord.name == name, ModelRecord.content_hash == content_hash)
+            ).first()
+            if exists is None:
+                conn.execute(insert(ModelRecord).values(
+                    name=name, role=role, path=path, content_hash=content_hash, params=params, size_bytes=size_bytes
+                ))
+
+    def models(self) -> list[dict]:
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(select(*ModelRecord.__table__.c))]
+
+    # ----- queries -------------------------------------------------------------------------
+    def _window(self, query, request_class: str | None, since: float | None, last: int | None):
+        if request_class is not None:
+            query = query.where(Observation.request_class == request_class)
+        if since is not None:
+            query = query.where(Observation.created_at >= since)
+        if last is not None:
+            newest = select(Observation.id).order_by(Observation.id.desc()).limit(last)
+            if request_class is not None:
+                newest = newest.where(Observation.request_class == request_class)
+            query = query.where(Observation.id.in_(newest.scalar_subquery()))
+        return query
+
+    def observations(self, request_class: str | None = None, since: float | None = None,
+                     last: int | None = None) -> list[dict]:
+        query = self._window(select(*Observation.__table__.c), request_class, since, last).order_by(Observation.id)
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(query)]
+
+    def count(self) -> int:
+        with self.engine.connect() as conn:
+            return conn.execute(select(func.count(Observation.id))).scalar_one()
+
+    def arm_stats(self, request_class: str | None = None, since: float | None = None,
+                  last: int | None = None) -> list[ArmStats]:
+        """Per class and arm: count, mean and variance of goodput, mean acceptance and reward."""
+        g = Observation.goodput
+        query = select(
+            Observation.request_class, Observation.arm, func.count(), func.avg(g), func.avg(g * g),
+            func.avg(Observation.acceptance), func.avg(Observation.reward),
+        ).group_by(Observation.request_class, Observation.arm).order_by(Observation.request_class, Observation.arm)
+        with self.engine.connect() as conn:
+            rows = conn.execute(self._window(query, request_class, since, last)).all()
+        return [
+            ArmStats(c, a, n, mean, max(0.0, sq - mean * mean) * n / (n - 1) if n > 1 else 0.0, acc, rew)
+            for c, a, n, mean, sq, acc, rew in rows
+        ]
+
+    def export_csv(self, path: str | Path, **window) -> int:
+        rows = self.observations(**window)
+        columns = [c.name for c in Observation.__table__.c]
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        return len(rows)
+
+    def to_pandas(self, **window):
+        try:
+            import pandas as pd
+        except ImportError as exc:
+            raise StoreError("to_pandas needs pandas: pip install pandas") from exc
+        return pd.DataFrame(self.observations(**window))
+
+    def integrity_check(self) -> str:
+        if self.engine.dialect.name != "sqlite":
+            return "ok"
+        with self.engine.connect() as conn:
+            return conn.execute(text("PRAGMA integrity_check")).scalar_one()

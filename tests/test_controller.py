@@ -1,0 +1,112 @@
+"""The controller end to end on tiny random models: serve, measure, learn, persist, resume."""
+
+import threading
+
+import pytest
+import torch
+
+from autotune.classifier import RequestClassifier
+from autotune.controller import AutotuneController
+from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
+from policies import Context, Policy, PolicyError
+from store import Store
+
+
+@pytest.fixture(scope="module")
+def engine(target, draft_model):
+    return SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter()})
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+
+
+PROMPTS = [[(7 * i + j) % 64 for j in range(6 + i % 5)] for i in range(12)]
+
+
+def test_serves_learns_and_records_every_request(engine, target, tmp_path):
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
+    with Store(url) as store, AutotuneController(engine, store, policy="thompson", arms=arms) as ctl:
+        results = [ctl.generate(p, request_class="code" if i % 2 else "docs", max_new_tokens=12)
+                   for i, p in enumerate(PROMPTS)]
+        ctl.close()
+        assert store.count() == len(PROMPTS)
+        rows = store.observations()
+    for p, r in zip(PROMPTS, results):
+        assert r.tokens == hf_greedy(target, p, 12)  # whatever arm was chosen, output is the target's
+        assert r.gpu_util is None and r.gpu_mem_mb is None  # no NVIDIA GPU here: unavailable, no error
+    assert {r["request_class"] for r in rows} == {"code", "docs"}
+    assert rows[0]["arm"] == "off" and rows[0]["reward"] == pytest.approx(1.0)
+    assert all(r["goodput"] > 0 and r["features"]["prompt_tokens"] > 0 for r in rows)
+
+
+def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
+    with Store(url) as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=arms, save_every=5)
+        for p in PROMPTS:
+            ctl.generate(p, request_class="code", max_new_tokens=8)
+        ctl.close()
+        before = ctl.policy.state_dict()
+    with Store(url) as store:
+        resumed = AutotuneController(engine, store, policy="ucb", arms=arms)
+        assert resumed.policy.state_dict() == before
+        assert resumed.baselines == ctl.baselines
+        # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
+        assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
+
+
+def test_concurrent_requests_from_threads_are_all_served(engine, tmp_path):
+    with Store(f"sqlite:///{tmp_path / 't.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="thompson", arms=[OFF, Arm("small", 2)])
+        results, errors = [], []
+
+        def worker(i):
+            try:
+                results.append(ctl.generate(PROMPTS[i % len(PROMPTS)], request_class="code", max_new_tokens=6))
+            except Exception as exc:  # pragma: no cover - the assertion below reports it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ctl.close()
+        assert not errors and len(results) == 8 and store.count() == 8
+        assert max(r.load for r in results) >= 1
+
+
+def test_unlabelled_requests_are_classified_from_history(engine, tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'k.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="thompson", arms=[OFF, Arm("small", 2)])
+        for i in range(10):
+            ctl.generate([1, 2, 3] * 10, request_class="repetitive", max_new_tokens=4)
+            ctl.generate(PROMPTS[i], request_class="plain", max_new_tokens=4, temperature=1.0, seed=i)
+        ctl.close()
+        ctl.classifier = RequestClassifier.from_store(store)
+        assert ctl.generate([5, 6, 7] * 9, max_new_tokens=4).request_class == "repetitive"
+        assert ctl.generate([9, 3, 44, 12, 8, 1], max_new_tokens=4, temperature=1.0, seed=1).request_class == "plain"
+        ctl.close()
+        assert store.observations(last=1)[0]["classified"]
+
+
+class RogueArm(Policy):
+    name = "rogue"
+
+    def choose(self, context):
+        return Arm("medusa", 4)
+
+
+def test_policy_arms_the_engine_lacks_are_refused(engine):
+    with pytest.raises(PolicyError, match="no drafter 'medusa'"):
+        AutotuneController(engine, policy="ucb", arms=[Arm("medusa", 2)])
+    ctl = AutotuneController(engine, policy=RogueArm([OFF]))
+    with pytest.raises(PolicyError, match="chose arm medusa:4"):
+        ctl.generate([1, 2, 3], request_class="x")
+    with pytest.raises(PolicyError, match="unknown policy 'greedy'"):
+        AutotuneController(engine, policy="greedy")

@@ -1,0 +1,173 @@
+"""The engine is lossless: greedy output equals the target's own `generate()` token for token."""
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from engine import (
+    Arm,
+    HeuristicK,
+    IncompatibleDrafterError,
+    InvalidRequestError,
+    ModelDrafter,
+    NGramDrafter,
+    SamplingParams,
+    SpeculativeEngine,
+)
+
+
+class AlwaysWrongDrafter(ModelDrafter):
+    """The target itself as drafter, with every proposal shifted by one: never accepted."""
+
+    def propose(self, tokens, k, params, generator):
+        draft, _ = super().propose(tokens, k, params, generator)
+        return [(t + 1) % self.vocab_size for t in draft], None
+
+
+class FailingDrafter(ModelDrafter):
+    def __init__(self, model, fail_at: int):
+        super().__init__(model)
+        self.calls, self.fail_at = 0, fail_at
+
+    def propose(self, tokens, k, params, generator):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("drafter blew up")
+        return super().propose(tokens, k, params, generator)
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos=None):
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+        eos_token_id=eos, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(n, vocab=64, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    # Some prompts repeat a pattern so n-gram lookup finds matches and gets accepted too.
+    out = []
+    for i in range(n):
+        p = torch.randint(0, vocab, (4 + i % 9,), generator=gen).tolist()
+        out.append(p * 3 if i % 3 == 0 else p)
+    return out
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["static-cache", "dynamic-cache"])
+def engine(request, target, draft_model):
+    return SpeculativeEngine(
+        target,
+        static_cache=request.param,
+        {
+            "small": draft_model,
+            "self": target,  # always right
+            "wrong": AlwaysWrongDrafter(target),
+            "ngram": NGramDrafter(max_ngram=3),
+        },
+    )
+
+
+def test_greedy_equals_target_generate_for_every_drafter_and_k(engine, target):
+    accepted = {name: 0 for name in engine.drafters}
+    for i, prompt in enumerate(prompts(20)):
+        max_new = 17 + i % 5  # not a multiple of K+1: the last draft crosses max_new_tokens
+        reference = hf_greedy(target, prompt, max_new)
+        assert engine.generate(prompt, "off", max_new_tokens=max_new).tokens == reference
+        for name in engine.drafters:
+            for k in (1, 2, 4, 8):
+                result = engine.generate(prompt, Arm(name, k), max_new_tokens=max_new)
+                assert result.tokens == reference, (i, name, k)
+                assert len(result.tokens) == max_new
+                accepted[name] += result.metrics.accepted
+                if name == "self":
+                    assert result.metrics.acceptance == 1.0
+                if name == "wrong":
+                    assert result.metrics.accepted == 0
+    assert accepted["small"] > 0 and accepted["ngram"] > 0
+
+
+def test_eos_inside_an_accepted_draft_stops_exactly_there(target):
+    prompt = prompts(1, seed=3)[0]
+    free_run = hf_greedy(target, prompt, 30)
+    eos = free_run[6]  # the target emits this token 7th: make it the EOS
+    reference = hf_greedy(target, prompt, 30, eos=eos)
+    assert reference[-1] == eos and len(reference) <= 7
+    target.generation_config.eos_token_id = eos
+    try:
+        for static in (True, False):
+            engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, static_cache=static)
+            for arm in ("off", "self:8", "self:3", "ngram:4"):
+                result = engine.generate(prompt, arm, max_new_tokens=30)
+                assert result.tokens == reference, (arm, static)
+    finally:
+        target.generation_config.eos_token_id = None
+
+
+def test_k_may_change_between_rounds(engine, target):
+    for prompt in prompts(5, seed=11):
+        reference = hf_greedy(target, prompt, 25)
+        result = engine.generate(prompt, "small:2", max_new_tokens=25, schedule=HeuristicK())
+        assert result.tokens == reference
+        assert result.metrics.drafted > 0
+
+
+def test_a_failing_drafter_falls_back_to_off_and_the_request_is_served(target):
+    prompt = prompts(2, seed=5)[1]
+    engine = SpeculativeEngine(target, {"flaky": FailingDrafter(target, fail_at=3)})
+    result = engine.generate(prompt, "flaky:4", max_new_tokens=30)
+    assert result.fell_back and "drafter blew up" in result.fallback_error
+    assert result.tokens == hf_greedy(target, prompt, 30)
+    assert result.metrics.drafted > 0  # it did speculate before failing
+
+
+def test_metrics_add_up(engine):
+    result = engine.generate(prompts(1)[0], "self:4", max_new_tokens=21)
+    m = result.metrics
+    assert m.new_tokens == 21 and m.prompt_tokens == 12
+    assert m.accepted == m.drafted == sum(m.drafted_per_position)
+    assert m.acceptance_per_position == [1.0] * 4
+    assert m.rounds == 4  # 1 from prefill + 4 rounds of 5
+    assert m.mean_accepted_length == 5.0
+    assert 0 < m.prefill_s + m.draft_s + m.verify_s <= m.total_s * 1.01
+    assert m.tokens_per_s > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda e: e.generate([1, 2], "nope:4"), "unknown drafter 'nope'"),
+        (lambda e: e.generate([1, 2], Arm("small", 17)), "K must be in 1..16"),
+        (lambda e: e.generate([1, 2], "small:0"), "K must be in 1..16"),
+        (lambda e: e.generate([], "off"), "prompt is empty"),
+        (lambda e: e.generate([1] * 250, "off", max_new_tokens=10), "exceeds the target's context"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(temperature=-1)), "temperature"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(top_p=0)), "top_p"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(top_p=1.5)), "top_p"),
+        (lambda e: e.generate([1, 999], "off"), "out of vocabulary"),
+        (lambda e: e.generate("text", "off"), "needs a tokenizer"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(engine, call, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        call(engine)
+
+
+def test_drafter_with_another_vocabulary_is_refused(target):
+    with pytest.raises(IncompatibleDrafterError, match="vocabulary size 32"):
+        SpeculativeEngine(target, {"odd": tiny_llama(2, layers=1, vocab=32)})
+
+
+def test_drafter_with_another_tokenizer_is_refused(target):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    def word_tokenizer(words):
+        vocab = {w: i for i, w in enumerate(words)}
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token=words[0])))
+
+    words = [f"w{i}" for i in range(64)]
+    engine = SpeculativeEngine(target, tokenizer=word_tokenizer(words))
+    with pytest.raises(IncompatibleDrafterError, match="tokenizer that does not match"):
+        engine.add_drafter("other", tiny_llama(3, layers=1), tokenizer=word_tokenizer(words[::-1]))

@@ -1,0 +1,115 @@
+"""Policies on simulated arms with known rewards: converge, follow drift, go OFF, resume."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from engine import OFF, Arm
+from policies import Context, Outcome, PolicyError, make_policy
+
+ARMS = [Arm("small", k) for k in (1, 2, 4, 8)] + [Arm("ngram", 3)]
+
+
+CODE = Context("code")
+
+
+def simulate(policy, means: dict[str, float], steps: int, context=CODE, seed=0, noise=0.15):
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        arm = policy.choose(context)
+        reward = rng.gauss(means[str(arm)], noise)
+        policy.update(context, arm, Outcome(goodput=100 * reward, reward=reward))
+        chosen.append(str(arm))
+    return chosen
+
+
+def means_with_best(best: str, off: float = 1.0) -> dict[str, float]:
+    means = {str(a): 1.1 for a in ARMS}
+    means["off"] = off
+    means[best] = 1.6
+    return means
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_converges_to_the_best_arm(name):
+    policy = make_policy(name, ARMS)
+    chosen = simulate(policy, means_with_best("small:4"), 300)
+    assert chosen[0] == "off"  # the baseline comes first
+    assert Counter(chosen[-100:])["small:4"] >= 85
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_follows_a_switch_of_the_best_arm(name):
+    policy = make_policy(name, ARMS)
+    simulate(policy, means_with_best("small:4"), 300)
+    chosen = simulate(policy, means_with_best("ngram:3"), 300, seed=1)
+    assert Counter(chosen[-100:])["ngram:3"] >= 80
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_goes_off_when_every_arm_loses_and_keeps_probing(name):
+    policy = make_policy(name, ARMS)
+    means = {str(a): 0.7 for a in ARMS} | {"off": 1.0, "small:1": 0.9}
+    chosen = simulate(policy, means, 400)
+    last = Counter(chosen[-200:])
+    assert last["off"] >= 180
+    assert last["off"] < 200  # rare probes keep a way back
+    assert policy.table(Context("code")).guarded
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
+def test_resumes_from_saved_state_without_re_exploring(name):
+    policy = make_policy(name, ARMS)
+    simulate(policy, means_with_best("small:2"), 300)
+    saved = json.loads(json.dumps(policy.state_dict()))  # as the store keeps it
+    resumed = make_policy(name, ARMS)
+    resumed.load_state_dict(saved)
+    chosen = simulate(resumed, means_with_best("small:2"), 30, seed=5)
+    assert Counter(chosen)["small:2"] >= 25
+
+
+def test_a_new_class_starts_from_pooled_statistics():
+    policy = make_policy("thompson", ARMS)
+    simulate(policy, means_with_best("small:8"), 200, context=Context("code"))
+    simulate(policy, means_with_best("small:8"), 200, context=Context("docs"))
+    chosen = simulate(policy, means_with_best("small:8"), 12, context=Context("new"))
+    assert chosen[0] == "off"
+    assert Counter(chosen[1:])["small:8"] >= 9
+
+
+def test_learns_a_different_best_arm_under_load():
+    policy = make_policy("thompson", ARMS)
+    alone, busy = Context("code", load=1), Context("code", load=8)
+    for round_ in range(300):
+        simulate(policy, means_with_best("small:8"), 1, context=alone, seed=round_)
+        simulate(policy, means_with_best("small:1"), 1, context=busy, seed=10_000 + round_)
+    assert Counter(simulate(policy, means_with_best("small:8"), 50, context=alone))["small:8"] >= 40
+    assert Counter(simulate(policy, means_with_best("small:1"), 50, context=busy))["small:1"] >= 40
+
+
+def test_contextual_policy_uses_features_for_a_class_it_has_not_seen():
+    policy = make_policy("contextual", ARMS, min_class_obs=50)
+    rng = random.Random(0)
+    for i in range(400):  # repetitive prompts favour ngram, others favour small:2
+        overlap = rng.random()
+        ctx = Context(f"class{i % 4}", features={"ngram_overlap": overlap})
+        arm = policy.choose(ctx)
+        mean = {"ngram:3": 0.6 + 1.2 * overlap, "small:2": 1.3, "off": 1.0}.get(str(arm), 0.9)
+        reward = rng.gauss(mean, 0.1)
+        policy.update(ctx, arm, Outcome(goodput=reward * 100, reward=reward))
+    new_repetitive = Context("unseen", features={"ngram_overlap": 0.95})
+    policy.update(new_repetitive, OFF, Outcome(goodput=100, reward=1.0))  # its baseline
+    assert str(policy.choose(new_repetitive)) == "ngram:3"
+    assert str(policy.choose(Context("unseen", features={"ngram_overlap": 0.05}))) == "small:2"
+
+
+def test_static_heuristic_and_unknown_policies():
+    assert make_policy("static", ARMS, arm="small:4").choose(Context("x")) == Arm("small", 4)
+    assert make_policy("off", ARMS).choose(Context("x")) == OFF
+    heuristic = make_policy("heuristic", ARMS, arm="small:2")
+    assert heuristic.schedule(Context("x"), Arm("small", 2)).next_k(2, 2, 2) == 4
+    with pytest.raises(PolicyError, match="unknown policy 'bandit'; choose one of"):
+        make_policy("bandit", ARMS)

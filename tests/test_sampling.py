@@ -1,0 +1,87 @@
+"""Sampled speculative output follows the target's distribution, shown by a chi-square test.
+
+Vocabulary 8 and 4 new tokens: token 1 comes from prefill, tokens 2..4 from one speculative
+round with K=2 (accept, reject-and-resample and bonus paths all occur). The joint law of
+(token 2, token 3) is computed exactly from the target and compared with the empirical one.
+A deliberately biased sampler (accept every draft) must fail the same test.
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_llama
+from scipy.stats import chisquare
+
+import engine.engine as engine_module
+from engine import NGramDrafter, SamplingParams, SpeculativeEngine
+
+VOCAB = 8
+PROMPT = [1, 2, 3, 1, 2]
+SAMPLES = 2000
+ALPHA = 1e-3
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(10, layers=1, vocab=VOCAB, hidden=32), tiny_llama(11, layers=1, vocab=VOCAB, hidden=32)
+
+
+def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
+    from engine.sampling import probabilities
+
+    with torch.no_grad():
+        p1 = probabilities(target(torch.tensor([PROMPT])).logits[0, -1], params)
+        prefixes = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = probabilities(target(prefixes).logits[:, -1], params)  # [a, b]
+        pairs = list(itertools.product(range(VOCAB), repeat=2))
+        p3 = probabilities(target(torch.tensor([PROMPT + [a, b] for a, b in pairs])).logits[:, -1], params)
+    joint = torch.zeros(VOCAB, VOCAB)
+    for i, (a, b) in enumerate(pairs):
+        joint[b] += p1[a] * p2[a, b] * p3[i]  # P(t2=b, t3=c) summed over t1=a
+    return joint.reshape(-1)
+
+
+def p_value(engine, arm, params, expected):
+    counts = torch.zeros(VOCAB * VOCAB)
+    for seed in range(SAMPLES):
+        params_s = SamplingParams(params.temperature, params.top_p, seed=seed)
+        tokens = engine.generate(PROMPT, arm, max_new_tokens=4, sampling=params_s).tokens
+        counts[tokens[1] * VOCAB + tokens[2]] += 1
+    impossible = expected == 0  # cut by top-p: must never be sampled
+    if counts[impossible].sum() > 0:
+        return 0.0
+    expected = expected * SAMPLES
+    keep = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    rare = ~keep & ~impossible
+    f_obs, f_exp = counts[keep], expected[keep]
+    if rare.any():
+        f_obs = torch.cat([f_obs, counts[rare].sum(0, keepdim=True)])
+        f_exp = torch.cat([f_exp, expected[rare].sum(0, keepdim=True)])
+    return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item()).pvalue
+
+
+@pytest.mark.parametrize(
+    ("arm", "params"),
+    [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9))],
+)
+def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
+    target, drafter = models
+    engine = SpeculativeEngine(target, {"draft": drafter, "ngram": NGramDrafter(2)})
+    stats = engine.generate(PROMPT, arm, max_new_tokens=4, sampling=SamplingParams(1.0, seed=0)).metrics
+    assert stats.drafted > 0
+    assert p_value(engine, arm, params, exact_joint_of_tokens_2_and_3(target, params)) > ALPHA
+
+
+def test_the_same_test_rejects_a_biased_sampler(models, monkeypatch):
+    target, drafter = models
+    engine = SpeculativeEngine(target, {"draft": drafter})
+
+    def accept_everything(target_probs, draft, draft_probs, generator):
+        from engine.sampling import sample
+
+        return len(draft), sample(target_probs[len(draft)], generator)
+
+    monkeypatch.setattr(engine_module, "verify_sampled", accept_everything)
+    params = SamplingParams(1.0)
+    assert p_value(engine, "draft:2", params, exact_joint_of_tokens_2_and_3(target, params)) < ALPHA

@@ -1,0 +1,147 @@
+"""The store survives kill -9, concurrent writers, and refuses files it must not touch."""
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from store import SCHEMA_VERSION, Store, StoreError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def obs(i: int, request_class: str = "code", arm: str = "small:4") -> dict:
+    return dict(request_class=request_class, arm=arm, prompt_tokens=i, new_tokens=32, goodput=100.0 + i % 10,
+                acceptance=0.5, reward=1.1)
+
+
+def run_python(code: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
+    url = f"sqlite:///{tmp_path / 'k.db'}"
+    child = run_python(f"""
+        from store import Store
+        s = Store({url!r})
+        i = 0
+        while True:
+            for _ in range(50):
+                s.record(request_class="code", arm="off", prompt_tokens=i, new_tokens=1, goodput=1.0)
+                i += 1
+            s.flush()
+            print("committed", i - 1, flush=True)
+    """)
+    last = -1
+    for line in child.stdout:
+        last = int(line.split()[1])
+        if last >= 2000:
+            break
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert last >= 2000
+    with Store(url) as s:
+        assert s.integrity_check() == "ok"
+        seen = {row["prompt_tokens"] for row in s.observations()}
+    assert set(range(last + 1)) <= seen
+
+
+def test_four_processes_write_concurrently_without_losing_rows(tmp_path):
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    children = [run_python(f"""
+        from store import Store
+        with Store({url!r}, label="writer{n}") as s:
+            for i in range(400):
+                s.record(request_class="w{n}", arm="off", prompt_tokens=i, new_tokens=1, goodput=1.0)
+                if i % 100 == 0:
+                    s.flush()
+                    s.save_policy_state("ucb", "shared", {{"writer": {n}, "i": i}})
+    """) for n in range(4)]
+    for child in children:
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    with Store(url) as s:
+        stats = {st.request_class: st.count for st in s.arm_stats()}
+        versions = [row["version"] for row in s.policy_history("ucb")]
+    assert stats == {f"w{n}": 400 for n in range(4)}
+    assert sorted(versions) == list(range(1, 17))
+
+
+def test_policy_state_round_trip_resumes_newest_version(tmp_path):
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    with Store(url) as s:
+        s.save_policy_state("thompson", "code", {"arms": {"small:4": [3, 1.5]}})
+        s.save_policy_state("thompson", "code", {"arms": {"small:4": [4, 1.6]}})
+        s.save_policy_state("thompson", "docs", {"arms": {}})
+        for i in range(10):
+            s.record(**obs(i))
+    with Store(url) as s:
+        assert s.load_policy_states("thompson") == {"code": {"arms": {"small:4": [4, 1.6]}}, "docs": {"arms": {}}}
+        assert s.load_policy_states("ucb") == {}
+        assert s.count() == 10
+
+
+def test_aggregates_and_windows(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'a.db'}") as s:
+        for i in range(10):
+            s.record(**obs(i, arm="off"))
+            s.record(**obs(i, request_class="docs", arm="ngram:3"))
+        s.flush()
+        stats = {(st.request_class, st.arm): st for st in s.arm_stats()}
+        assert stats[("code", "off")].count == 10
+        assert stats[("code", "off")].goodput_mean == pytest.approx(104.5)
+        assert stats[("code", "off")].goodput_var == pytest.approx(9.1666666, rel=1e-5)
+        assert [st.count for st in s.arm_stats(request_class="docs", last=3)] == [3]
+        assert len(s.observations(last=4)) == 4
+        assert s.export_csv(tmp_path / "o.csv", request_class="code") == 10
+
+
+def test_refuses_a_file_that_is_not_a_database(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes, not a database\n" * 10)
+    with pytest.raises(StoreError, match="not a SQLite database"):
+        Store(f"sqlite:///{path}")
+    assert path.read_bytes().startswith(b"these are my notes")
+
+
+def test_refuses_a_corrupt_database(tmp_path):
+    path = tmp_path / "corrupt.db"
+    with Store(f"sqlite:///{path}") as s:
+        for i in range(100):
+            s.record(**obs(i))
+    data = bytearray(path.read_bytes())
+    data[100:4096] = os.urandom(4096 - 100)  # header intact, schema page destroyed
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="cannot open store"):
+        Store(f"sqlite:///{path}")
+
+
+def test_refuses_a_newer_schema_and_leaves_it_untouched(tmp_path):
+    path = tmp_path / "future.db"
+    Store(f"sqlite:///{path}").close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE autotune_meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+    before = path.read_bytes()
+    with pytest.raises(StoreError, match="newer than this autotune supports"):
+        Store(f"sqlite:///{path}")
+    assert path.read_bytes() == before
+
+
+def test_postgres_when_a_server_is_available():
+    url = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("no PostgreSQL server: set AUTOTUNE_TEST_POSTGRES_URL=postgresql+psycopg://... to run")
+    with Store(url) as s:
+        run = s.run_id
+        s.record(**obs(1))
+        s.save_policy_state("ucb", run, {"x": 1})
+        s.flush()
+        assert s.load_policy_states("ucb")[run] == {"x": 1}
+        assert any(o["run_id"] == run for o in s.observations(last=50))

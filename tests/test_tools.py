@@ -1,0 +1,118 @@
+"""Tuning, the CLI and the notebooks, on a small store made from tiny models."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import optuna
+import pytest
+from nbclient import NotebookClient
+
+from autotune.classes import RequestClass, Workload
+from autotune.cli import main
+from autotune.controller import AutotuneController
+from autotune.tune import load_priors, tune_class
+from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
+from policies import Context
+from store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = [OFF, Arm("small", 1), Arm("small", 3), Arm("ngram", 2)]
+
+
+@pytest.fixture(scope="module")
+def classes():
+    def ids(seed, n, repeat):
+        return [[(seed * 31 + i * 7 + j) % 64 for j in range(5)] * repeat for i in range(n)]
+
+    return {"rep": RequestClass("rep", "repetitive", tuple(ids(1, 6, 4)), max_new_tokens=10),
+            "mixed": RequestClass("mixed", "sampled", tuple(ids(2, 6, 1)), temperature=1.0, max_new_tokens=10)}
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory, target, draft_model, classes):
+    engine = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter()})
+    url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'small.db'}"
+    with Store(url) as store:
+        with AutotuneController(engine, store, policy="thompson", arms=ARMS, save_every=4) as ctl:
+            for req in Workload({"rep": 1, "mixed": 1}, n_requests=30).requests(classes):
+                ctl.generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature, req.top_p, req.seed)
+        for cls in classes.values():
+            tune_class(engine, cls, url, ARMS, budget=6, prompts_per_trial=2, progress=False)
+    return engine, url
+
+
+def test_tuning_is_resumable_and_seeds_the_online_policy(small_store, classes):
+    engine, url = small_store
+    study = tune_class(engine, classes["rep"], url, ARMS, budget=2, prompts_per_trial=2, progress=False)
+    assert len(study.trials) == 8  # the 6 earlier trials were continued, not restarted
+    assert study.trials[0].params == {"arm": "off"}
+    priors = load_priors(url)
+    assert set(priors) == {"rep", "mixed"} and priors["rep"]["off"][0] == pytest.approx(1.0)
+    ctl = AutotuneController(engine, policy="thompson", arms=ARMS)
+    for name, p in priors.items():
+        ctl.policy.set_prior(name, p)
+    table = ctl.policy.table(Context("rep"))
+    assert {a for a, row in table.rows.items() if row[0] > 0} == set(priors["rep"])
+
+
+@pytest.mark.parametrize("notebook", ["policy_inspection.ipynb", "tuning_report.ipynb"])
+def test_notebooks_run_top_to_bottom(small_store, notebook, monkeypatch):
+    _, url = small_store
+    monkeypatch.setenv("AUTOTUNE_DB", url)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "rep" in printed and "mixed" in printed
+
+
+def test_cli_inspect_prints_the_learned_table(small_store, capsys):
+    _, url = small_store
+    assert main(["inspect", "--db", url]) == 0
+    out = capsys.readouterr().out
+    assert "policy: thompson" in out and "rep" in out and "speedup_vs_off" in out
+
+
+def test_cli_gives_clear_errors_and_exit_codes(tmp_path, capsys):
+    assert main(["inspect", "--db", f"sqlite:///{tmp_path / 'none.db'}"]) == 3
+    assert "no store at" in capsys.readouterr().err
+    junk = tmp_path / "junk.db"
+    junk.write_text("not a database")
+    assert main(["inspect", "--db", f"sqlite:///{junk}"]) == 3
+    assert "not a SQLite database" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["bench", "nothing"])
+    assert usage.value.code == 2
+    help_text = subprocess.run([sys.executable, "-m", "autotune.cli", "--help"], capture_output=True, text=True)
+    assert help_text.returncode == 0 and "demo" in help_text.stdout and "zoo" in help_text.stdout
+
+
+def test_optuna_studies_share_the_store_database(small_store):
+    _, url = small_store
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage=url)}
+    assert names == {"autotune:rep", "autotune:mixed"}
+    with Store(url) as store:
+        assert store.count() == 30 and store.integrity_check() == "ok"
+
+
+def test_demo_runs_end_to_end_on_the_committed_family(tmp_path, capsys):
+    url = f"sqlite:///{tmp_path / 'demo.db'}"
+    assert main(["demo", "--requests", "8", "--db", url, "--json", str(tmp_path / "demo.json")]) == 0
+    out = capsys.readouterr().out
+    assert "arm_now" in out and url in out
+    with Store(url) as store:
+        assert store.count() == 8
+        assert {m["name"] for m in store.models()} == {"target", "small", "medium", "distilled"}
+        assert all(o["engine_identity"].startswith("target@") for o in store.observations())
+
+
+def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path):
+    import json
+
+    path = tmp_path / "engine.json"
+    assert main(["bench", "engine", "--quick", "--arm", "distilled:3", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["identical_outputs"] is True
+    assert 0.0 <= result["acceptance"] <= 1.0 and result["tokens_per_s"]["engine_spec"] > 0
