@@ -39,11 +39,11 @@ class Request:
     seed: int
 
 
-def _held_out_functions() -> list[tuple[str, str, ast.FunctionDef]]:
-    """(path, source, function node) of every function in held-out stdlib files, in path order."""
+def stdlib_functions(held_out: bool = True) -> list[tuple[str, str, ast.FunctionDef]]:
+    """(path, source, function node) of every function in held-out (or training) files, in path order."""
     out = []
     for rel, source in stdlib_files():
-        if not is_held_out(rel):
+        if is_held_out(rel) != held_out:
             continue
         try:
             tree = ast.parse(source)
@@ -64,7 +64,7 @@ def _sample(items: list, n: int, seed: int) -> list:
 def _code_prompts(n: int) -> list[str]:
     """The first part of a held-out function (signature, docstring, a few lines) to complete."""
     prompts = []
-    for _, source, node in _held_out_functions():
+    for _, source, node in stdlib_functions():
         lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
         if 8 <= len(lines) <= 60:
             cut = max(2, len(lines) // 3)
@@ -75,7 +75,7 @@ def _code_prompts(n: int) -> list[str]:
 def _docs_prompts(n: int) -> list[str]:
     """Code followed by the opening of a docstring or comment block: English-like continuation."""
     prompts = []
-    for _, source, node in _held_out_functions():
+    for _, source, node in stdlib_functions():
         doc = ast.get_docstring(node, clean=False)
         if doc and len(doc) > 120 and node.body:
             lines = source.splitlines()
@@ -87,22 +87,33 @@ def _docs_prompts(n: int) -> list[str]:
     return _sample(prompts, n, seed=2)
 
 
+def edit_example(source: str, node: ast.FunctionDef) -> tuple[str, str] | None:
+    """(instruction with the original function, the function with one argument renamed).
+
+    The edit class prompts with the instruction and the renamed first line; the model family
+    also trains on such pairs from training files, so the target learns to copy.
+    """
+    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
+    if not 6 <= len(lines) <= 30:
+        return None
+    names = sorted({a.arg for a in node.args.args if a.arg != "self" and len(a.arg) > 2})
+    if not names:
+        return None
+    body = "\n".join(lines)
+    old = names[0]
+    new = f"{old}_value" if not old.endswith("_value") else f"new_{old}"
+    edited = re.sub(rf"\b{re.escape(old)}\b", new, body)
+    return f"# Original:\n{body}\n\n# The same function with {old} renamed to {new}:\n", edited
+
+
 def _edit_prompts(n: int) -> list[str]:
     """Code to reproduce with one identifier renamed: output copies from the prompt."""
     prompts = []
-    for _, source, node in _held_out_functions():
-        lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
-        if not 6 <= len(lines) <= 30:
-            continue
-        body = "\n".join(lines)
-        names = sorted({a.arg for a in node.args.args if a.arg != "self" and len(a.arg) > 2})
-        if not names:
-            continue
-        old = names[0]
-        new = f"{old}_value" if not old.endswith("_value") else f"new_{old}"
-        edited = re.sub(rf"\b{re.escape(old)}\b", new, body)
-        first = edited.splitlines()[0]
-        prompts.append(f"# Original:\n{body}\n\n# The same function with {old} renamed to {new}:\n{first}\n")
+    for _, source, node in stdlib_functions():
+        example = edit_example(source, node)
+        if example is not None:
+            instruction, edited = example
+            prompts.append(instruction + edited.splitlines()[0] + "\n")
     return _sample(prompts, n, seed=3)
 
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from autotune.classifier import RequestClassifier
-from autotune.metrics import GpuMonitor, request_features
+from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
 from policies import Context, Outcome, Policy, PolicyError, make_policy
 
@@ -61,6 +61,10 @@ class AutotuneController:
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, arms, **policy_kwargs)
         for arm in self.policy.arms:
             self._check_arm(arm)
+        self._ks: dict[str, list[int]] = {}  # drafter -> the K values among the policy's arms
+        for arm in self.policy.arms:
+            if not arm.is_off:
+                self._ks.setdefault(arm.drafter, []).append(arm.k)
         self.classifier = classifier
         self.save_every = save_every
         self.baseline_discount = baseline_discount
@@ -116,10 +120,13 @@ class AutotuneController:
             with self._engine_lock, self.gpu.measure() as gpu:
                 result = self.engine.generate(ids, arm, max_new_tokens, sampling, schedule)
             goodput = result.metrics.tokens_per_s
-            reward = self._reward(context.key, arm, goodput, result.fell_back)
+            reward = self._reward(context.key, arm, goodput)
+            siblings = {}
+            if schedule is None and not result.fell_back:
+                siblings = sibling_rewards(result.metrics, arm, reward, self._ks.get(arm.drafter, ()))
             with self._policy_lock:
                 self.policy.update(context, arm, Outcome(goodput, reward, result.metrics.acceptance,
-                                                         result.metrics.new_tokens))
+                                                         result.metrics.new_tokens, siblings))
                 self._dirty.add(context.key)
                 self._updates += 1
                 if self.store is not None and self._updates % self.save_every == 0:
@@ -134,10 +141,10 @@ class AutotuneController:
             with self._load_lock:
                 self._in_flight -= 1
 
-    def _reward(self, key: str, arm: Arm, goodput: float, fell_back: bool) -> float:
+    def _reward(self, key: str, arm: Arm, goodput: float) -> float:
         with self._policy_lock:
             base = self.baselines.setdefault(key, [0.0, 0.0])
-            if arm.is_off or fell_back:
+            if arm.is_off:
                 base[0] = base[0] * self.baseline_discount + 1.0
                 base[1] = base[1] * self.baseline_discount + goodput
             return goodput / (base[1] / base[0]) if base[0] > 0 else 1.0

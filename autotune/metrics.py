@@ -32,6 +32,36 @@ def request_features(ids: list[int], max_new_tokens: int, temperature: float, to
     }
 
 
+def sibling_rewards(metrics, arm, reward: float, ks, exact_weight: float = 0.5,
+                    extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
+    """Estimated rewards of (same drafter, other K) from one request run at constant K.
+
+    Per round, K drafts yield 1 + sum_{i<K} S_i tokens, S_i being the share of rounds whose
+    first i+1 drafts were all accepted (measured per position), at a cost of K draft steps
+    plus one verify. For K' < K every S_i is measured; for K' > K the last conditional
+    acceptance is extended geometrically, so those estimates get less weight.
+    """
+    if arm.is_off or not metrics.drafted or not metrics.rounds:
+        return {}
+    survival = metrics.acceptance_per_position[: arm.k]
+    if len(survival) < arm.k or not survival[0]:
+        return {}
+    step = survival[-1] / survival[-2] if len(survival) > 1 and survival[-2] > 0 else survival[0]
+    draft_cost = metrics.draft_s / metrics.drafted
+    verify_cost = metrics.verify_s / metrics.rounds
+
+    def rate(k: int) -> float:
+        accepted = sum(survival[i] if i < len(survival) else survival[-1] * step ** (i - len(survival) + 1)
+                       for i in range(k))
+        return (1 + accepted) / (k * draft_cost + verify_cost)
+
+    here = rate(arm.k)
+    return {
+        f"{arm.drafter}:{k}": (reward * rate(k) / here, exact_weight if k < arm.k else extrapolated_weight)
+        for k in ks if k != arm.k
+    }
+
+
 class GpuMonitor:
     """Samples utilization and memory of one GPU while a request runs (None without NVML)."""
 

@@ -49,11 +49,12 @@ class FamilySpec:
     batch_size: int = 16
     seed: int = 0
     generated_fraction: float = 0.5  # share of distillation batches sampled from the target
+    copy_examples: int = 1500  # rename-and-reproduce pairs from training files (teaches copying)
     members: tuple[ModelSpec, ...] = field(
         default_factory=lambda: (
             ModelSpec("target", layers=8, hidden=256, ffn=512, heads=4, steps=600),
             ModelSpec("small", layers=1, hidden=256, ffn=512, heads=4, steps=400),
-            ModelSpec("medium", layers=2, hidden=256, ffn=512, heads=4, steps=400),
+            ModelSpec("medium", layers=2, hidden=256, ffn=512, heads=4, steps=600),
             ModelSpec(
                 "distilled", layers=1, hidden=256, ffn=512, heads=4, steps=250,
                 lr=1e-3, distill_from_target=True, init_from="small",
@@ -80,6 +81,18 @@ GPU_FAMILY = replace(
                   distill_from_target=True, init_from="small"),
     ),
 )
+
+
+def copy_texts(n: int, seed: int) -> list[str]:
+    """Rename-and-reproduce documents from training files: without them a small target never
+    learns to copy, and the workloads where n-gram lookup should shine would not exist."""
+    import random
+
+    from autotune.classes import edit_example, stdlib_functions
+
+    examples = [edit_example(source, node) for _, source, node in stdlib_functions(held_out=False)]
+    examples = [a + b + "\n" for a, b in (e for e in examples if e is not None)]
+    return random.Random(seed).sample(examples, min(n, len(examples)))
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -230,7 +243,7 @@ def train_family(
 ) -> dict:
     """Train tokenizer + every member and save them under out_dir/<name>; returns the report."""
     torch.manual_seed(family.seed)
-    texts = stdlib_texts(held_out=False)
+    texts = stdlib_texts(held_out=False) + copy_texts(family.copy_examples, family.seed)
     if corpora is not None:
         texts = texts + shared_training_texts(corpora)
     started = time.perf_counter()

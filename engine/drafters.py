@@ -68,7 +68,7 @@ class ModelDrafter:
     def __init__(self, model: PreTrainedModel, tokenizer=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.static_cache = True  # the engine sets this to match its own cache kind
+        self.static_cache = False  # the engine sets this to match its own cache kind
         self._cache: DynamicCache | StaticCache | None = None
         self._seen = 0  # positions held in the cache
 

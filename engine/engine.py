@@ -91,7 +91,7 @@ class SpeculativeEngine:
         tokenizer=None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
-        static_cache: bool = True,
+        static_cache: bool = False,
     ) -> None:
         self.device = torch.device(device)
         self.static_cache = static_cache

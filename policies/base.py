@@ -36,6 +36,9 @@ class Outcome:
     reward: float  # goodput relative to the class's OFF baseline (1.0 = as fast as OFF)
     acceptance: float | None = None
     new_tokens: int = 0
+    # Estimated rewards of sibling arms (same drafter, other K) from this request's per-position
+    # acceptance and costs: {arm: (reward, weight)}; bandits take them as partial observations.
+    siblings: dict = field(default_factory=dict)
 
 
 class PolicyError(ValueError):

@@ -59,13 +59,13 @@ def prompts(n, vocab=64, seed=7):
 def engine(request, target, draft_model):
     return SpeculativeEngine(
         target,
-        static_cache=request.param,
         {
             "small": draft_model,
             "self": target,  # always right
             "wrong": AlwaysWrongDrafter(target),
             "ngram": NGramDrafter(max_ngram=3),
         },
+        static_cache=request.param,
     )
 
 

@@ -113,3 +113,19 @@ def test_static_heuristic_and_unknown_policies():
     assert heuristic.schedule(Context("x"), Arm("small", 2)).next_k(2, 2, 2) == 4
     with pytest.raises(PolicyError, match="unknown policy 'bandit'; choose one of"):
         make_policy("bandit", ARMS)
+
+
+def test_sibling_estimates_follow_the_speculation_model():
+    from autotune.metrics import sibling_rewards
+    from engine import GenerationMetrics
+
+    # 100 rounds at K=4: drafts cost 1 ms each, a verify 10 ms; survival 0.8, 0.6, 0.4, 0.2.
+    m = GenerationMetrics(new_tokens=301, rounds=100, drafted=400, accepted=200, draft_s=0.4, verify_s=1.0,
+                          drafted_per_position=[100] * 4, accepted_per_position=[80, 60, 40, 20])
+    est = sibling_rewards(m, Arm("small", 4), 2.0, ks=[1, 2, 4, 8])
+    rate = {1: 1.8 / 0.011, 2: 2.4 / 0.012, 4: 3.0 / 0.014, 8: (3.0 + 0.1 + 0.05 + 0.025 + 0.0125) / 0.018}
+    assert set(est) == {"small:1", "small:2", "small:8"}
+    for k in (1, 2, 8):
+        assert est[f"small:{k}"][0] == pytest.approx(2.0 * rate[k] / rate[4])
+    assert est["small:1"][1] == 0.5 and est["small:8"][1] == 0.25  # extrapolation weighs less
+    assert sibling_rewards(m, OFF, 1.0, ks=[1, 2]) == {}

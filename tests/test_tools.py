@@ -116,3 +116,24 @@ def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path):
     result = json.loads(path.read_text())
     assert result["identical_outputs"] is True
     assert 0.0 <= result["acceptance"] <= 1.0 and result["tokens_per_s"]["engine_spec"] > 0
+
+
+def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classes, tmp_path):
+    from autotune.bench import bench_arms, bench_controller
+
+    engine, _ = small_store
+    truth = bench_arms(engine, classes, ARMS, prompts_per_class=2, progress=lambda *_: None)
+    for cls in truth["classes"].values():
+        assert cls["arms"]["off"]["speedup_vs_off"] == 1.0
+        assert cls["best_arm"] in cls["arms"]
+    stream = Workload({"rep": 1, "mixed": 1}, n_requests=10)
+    drift = Workload({"rep": 1, "mixed": 0.1}, n_requests=10, seed=1, drift=((0.5, {"rep": 0.1, "mixed": 1}),))
+    result = bench_controller(engine, classes, truth, stream, tmp_path, policies=("thompson",), drift=drift,
+                              progress=lambda *_: None)
+    for key in ("ratio_vs_best_static", "ratio_vs_oracle", "ratio_vs_off", "worst_class_ratio_vs_off",
+                "decision_overhead_ms_p99"):
+        assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["regret_fraction"] == pytest.approx(1 - result["ratio_vs_oracle"], abs=2e-3)
+    assert result["drift"]["restart_vs_uninterrupted_after_restart"] > 0
+    assert (tmp_path / "controller_arms.png").stat().st_size > 0
+    assert (tmp_path / "controller_regret.png").stat().st_size > 0
