@@ -91,8 +91,10 @@ class ModelDrafter:
         draft: list[int] = []
         dists = []
         for _ in range(k):
+            positions = torch.arange(self._seen, self._seen + step.shape[1], device=device)
             logits = self.model(
-                step, past_key_values=self._cache, use_cache=True, logits_to_keep=1
+                step, past_key_values=self._cache, use_cache=True, logits_to_keep=1,
+                cache_position=positions, position_ids=positions[None],
             ).logits[0, -1]
             self._seen += step.shape[1]
             if params.greedy:

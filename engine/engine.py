@@ -245,9 +245,7 @@ class SpeculativeEngine:
                 now = before_verify
 
             step = torch.tensor([[tokens[-1], *draft]], device=self.device)
-            logits = self.target(
-                step, past_key_values=cache, use_cache=True, logits_to_keep=step.shape[1]
-            ).logits[0]
+            logits = self._forward(self.target, step, cache, len(tokens) - 1, step.shape[1])
             if sampling.greedy:
                 n, nxt = verify_greedy(logits, draft)
             else:
@@ -285,6 +283,13 @@ class SpeculativeEngine:
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return result
+
+    @staticmethod
+    def _forward(model, step: torch.Tensor, cache, start: int, keep: int) -> torch.Tensor:
+        """One forward of `step` at positions start.. with explicit positions, as generate() passes them."""
+        positions = torch.arange(start, start + step.shape[1], device=step.device)
+        return model(step, past_key_values=cache, use_cache=True, logits_to_keep=keep,
+                     cache_position=positions, position_ids=positions[None]).logits[0]
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
