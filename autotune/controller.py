@@ -120,14 +120,13 @@ class AutotuneController:
             with self._engine_lock, self.gpu.measure() as gpu:
                 result = self.engine.generate(ids, arm, max_new_tokens, sampling, schedule)
             goodput = result.metrics.tokens_per_s
-            weight = max(0.05, result.metrics.new_tokens / max_new_tokens)
-            reward = self._reward(context.key, arm, goodput, weight)
+            reward = self._reward(context.key, arm, goodput)
             siblings = {}
             if schedule is None and not result.fell_back:
                 siblings = sibling_rewards(result.metrics, arm, reward, self._ks.get(arm.drafter, ()))
             with self._policy_lock:
                 self.policy.update(context, arm, Outcome(goodput, reward, result.metrics.acceptance,
-                                                         result.metrics.new_tokens, siblings, weight))
+                                                         result.metrics.new_tokens, siblings))
                 self._dirty.add(context.key)
                 self._updates += 1
                 if self.store is not None and self._updates % self.save_every == 0:
@@ -142,12 +141,12 @@ class AutotuneController:
             with self._load_lock:
                 self._in_flight -= 1
 
-    def _reward(self, key: str, arm: Arm, goodput: float, weight: float) -> float:
+    def _reward(self, key: str, arm: Arm, goodput: float) -> float:
         with self._policy_lock:
             base = self.baselines.setdefault(key, [0.0, 0.0])
             if arm.is_off:
-                base[0] = base[0] * self.baseline_discount + weight
-                base[1] = base[1] * self.baseline_discount + weight * goodput
+                base[0] = base[0] * self.baseline_discount + 1.0
+                base[1] = base[1] * self.baseline_discount + goodput
             return goodput / (base[1] / base[0]) if base[0] > 0 else 1.0
 
     def _record(self, result, request_class, classified, load, goodput, reward, gpu, features, sampling) -> None:

@@ -45,16 +45,15 @@ class ArmTable:
         within = sum(max(0.0, ss - s * s / n) for n, s, ss in self.rows.values() if n > 1e-9)
         return max(within / max(n_all - 1, 1.0), 1e-4)
 
-    def update(self, arm: str, reward: float, discount: float, siblings: dict | None = None,
-               weight: float = 1.0) -> None:
+    def update(self, arm: str, reward: float, discount: float, siblings: dict | None = None) -> None:
         for row in self.rows.values():
             row[0] *= discount
             row[1] *= discount
             row[2] *= discount
-        self._add(arm, reward, weight)
-        for sibling, (estimate, sibling_weight) in (siblings or {}).items():
+        self._add(arm, reward, 1.0)
+        for sibling, (estimate, weight) in (siblings or {}).items():
             if sibling in self.rows:
-                self._add(sibling, estimate, sibling_weight * weight)
+                self._add(sibling, estimate, weight)
         self.counts[arm] += 1
         self.pulls += 1
 
@@ -162,7 +161,7 @@ class BanditPolicy(Policy):
         raise NotImplementedError
 
     def update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
-        self.table(context).update(str(arm), outcome.reward, self.discount, outcome.siblings, outcome.weight)
+        self.table(context).update(str(arm), outcome.reward, self.discount, outcome.siblings)
 
     # ----- persistence --------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict]:

@@ -39,9 +39,6 @@ class Outcome:
     # Estimated rewards of sibling arms (same drafter, other K) from this request's per-position
     # acceptance and costs: {arm: (reward, weight)}; bandits take them as partial observations.
     siblings: dict = field(default_factory=dict)
-    # How much this request says about the arm: a request that ends after a few tokens is mostly
-    # prefill, whatever the arm. The controller uses new_tokens / max_new_tokens.
-    weight: float = 1.0
 
 
 class PolicyError(ValueError):
