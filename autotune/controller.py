@@ -68,7 +68,7 @@ class AutotuneController:
         self.classifier = classifier
         self.save_every = save_every
         self.baseline_discount = baseline_discount
-        self.baselines: dict[str, list[float]] = {}  # key -> [discounted count, discounted sum]
+        self.baselines: dict[str, list[float]] = {}  # key -> OFF [tokens, seconds], discounted
         self.gpu = GpuMonitor()
         self._policy_lock = threading.Lock()
         self._engine_lock = threading.Lock()
@@ -120,7 +120,7 @@ class AutotuneController:
             with self._engine_lock, self.gpu.measure() as gpu:
                 result = self.engine.generate(ids, arm, max_new_tokens, sampling, schedule)
             goodput = result.metrics.tokens_per_s
-            reward = self._reward(context.key, arm, goodput)
+            reward = self._reward(context.key, arm, result.metrics)
             siblings = {}
             if schedule is None and not result.fell_back:
                 siblings = sibling_rewards(result.metrics, arm, reward, self._ks.get(arm.drafter, ()))
@@ -141,13 +141,18 @@ class AutotuneController:
             with self._load_lock:
                 self._in_flight -= 1
 
-    def _reward(self, key: str, arm: Arm, goodput: float) -> float:
+    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics) -> float:
+        """Goodput over the class's OFF rate: discounted OFF tokens / discounted OFF seconds.
+
+        A rate of sums, not a mean of per-request rates: an OFF request that stops after one
+        token is nearly all prefill, and must not drag the baseline (and inflate every reward).
+        """
         with self._policy_lock:
-            base = self.baselines.setdefault(key, [0.0, 0.0])
+            base = self.baselines.setdefault(key, [0.0, 0.0])  # [tokens, seconds], discounted
             if arm.is_off:
-                base[0] = base[0] * self.baseline_discount + 1.0
-                base[1] = base[1] * self.baseline_discount + goodput
-            return goodput / (base[1] / base[0]) if base[0] > 0 else 1.0
+                base[0] = base[0] * self.baseline_discount + metrics.new_tokens
+                base[1] = base[1] * self.baseline_discount + metrics.total_s
+            return metrics.tokens_per_s / (base[0] / base[1]) if base[1] > 0 else 1.0
 
     def _record(self, result, request_class, classified, load, goodput, reward, gpu, features, sampling) -> None:
         m = result.metrics

@@ -110,3 +110,17 @@ def test_policy_arms_the_engine_lacks_are_refused(engine):
         ctl.generate([1, 2, 3], request_class="x")
     with pytest.raises(PolicyError, match="unknown policy 'greedy'"):
         AutotuneController(engine, policy="greedy")
+
+
+def test_the_off_baseline_is_a_rate_that_a_one_token_request_cannot_drag(engine):
+    from engine import GenerationMetrics
+
+    ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)])
+    normal = GenerationMetrics(new_tokens=64, total_s=0.32)  # 200 tokens/s
+    early_eos = GenerationMetrics(new_tokens=1, total_s=0.02)  # 50 tokens/s, nearly all prefill
+    assert ctl._reward("code@load1", OFF, normal) == pytest.approx(1.0)
+    ctl._reward("code@load1", OFF, early_eos)
+    spec = GenerationMetrics(new_tokens=64, total_s=0.2)  # 320 tokens/s: 1.6x the normal OFF rate
+    rate = (64 * 0.95 + 1) / (0.32 * 0.95 + 0.02)  # the early stop costs its 20 ms, nothing more
+    assert ctl._reward("code@load1", Arm("small", 2), spec) == pytest.approx(320 / rate)
+    assert 320 / rate < 1.7  # a mean of per-request rates would have said 2.6
