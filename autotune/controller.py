@@ -53,6 +53,7 @@ class AutotuneController:
         classifier: RequestClassifier | None = None,
         save_every: int = 25,
         baseline_discount: float = 0.95,
+        min_baseline_tokens: int = 32,
         **policy_kwargs,
     ) -> None:
         self.engine = engine
@@ -68,6 +69,7 @@ class AutotuneController:
         self.classifier = classifier
         self.save_every = save_every
         self.baseline_discount = baseline_discount
+        self.min_baseline_tokens = min_baseline_tokens
         self.baselines: dict[str, list[float]] = {}  # key -> OFF [tokens, seconds], discounted
         self.gpu = GpuMonitor()
         self._policy_lock = threading.Lock()
@@ -114,6 +116,8 @@ class AutotuneController:
             context = Context(request_class, load, features)
             with self._policy_lock:
                 arm = self.policy.choose(context)
+                if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_tokens:
+                    arm = OFF  # rewards are relative to OFF: measure it first, over enough tokens
                 schedule = self.policy.schedule(context, arm)
             decision_s = time.perf_counter() - started
             self._check_arm(arm)

@@ -76,6 +76,8 @@ class ArmTable:
 
 
 class BanditPolicy(Policy):
+    learns = True
+
     def __init__(
         self,
         arms: list[Arm],

@@ -47,6 +47,7 @@ class PolicyError(ValueError):
 
 class Policy(ABC):
     name: str = "policy"
+    learns: bool = False  # learning policies get rewards relative to a measured OFF baseline
 
     def __init__(self, arms: list[Arm]) -> None:
         if not arms:

@@ -27,6 +27,7 @@ def feature_vector(context: Context) -> list[float]:
 
 class ContextualPolicy(Policy):
     name = "contextual"
+    learns = True
 
     def __init__(self, arms: list[Arm], min_class_obs: int = 20, refit_every: int = 16,
                  max_history: int = 1000, alpha: float = 1.0, **bandit_kw) -> None:

@@ -124,3 +124,11 @@ def test_the_off_baseline_is_a_rate_that_a_one_token_request_cannot_drag(engine)
     rate = (64 * 0.95 + 1) / (0.32 * 0.95 + 0.02)  # the early stop costs its 20 ms, nothing more
     assert ctl._reward("code@load1", Arm("small", 2), spec) == pytest.approx(320 / rate)
     assert 320 / rate < 1.7  # a mean of per-request rates would have said 2.6
+
+
+def test_a_learning_policy_serves_off_until_the_baseline_has_enough_tokens(engine):
+    ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)], min_baseline_tokens=20)
+    arms = [str(ctl.generate(PROMPTS[i], request_class="code", max_new_tokens=8).arm) for i in range(4)]
+    assert arms[:3] == ["off", "off", "off"]  # 8 + 8 + 8 tokens reach 20 only after the third
+    static = AutotuneController(engine, policy="static", arms=[OFF], arm="small:2")
+    assert str(static.generate(PROMPTS[0], request_class="code", max_new_tokens=8).arm) == "small:2"
