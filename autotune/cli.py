@@ -32,14 +32,16 @@ def _engine(args, drafters=None):
 def _classes(args):
     from autotune.classes import builtin_classes
 
-    classes = builtin_classes(include_shared=True)
-    if args.classes:
-        names = args.classes.split(",")
-        missing = [n for n in names if n not in classes]
-        if missing:
-            raise ValueError(f"unknown request class(es) {missing}; known: {sorted(classes)}")
-        return {n: classes[n] for n in names}
-    return {n: c for n, c in classes.items() if n in ("code", "docs", "edit", "creative")}
+    classes = builtin_classes(include_shared=False)  # code, docs, edit, creative: the default
+    if not args.classes:
+        return classes
+    names = args.classes.split(",")
+    if not set(names) <= set(classes):
+        classes = builtin_classes(include_shared=True)  # reads ../shared/corpora only when asked
+    missing = [n for n in names if n not in classes]
+    if missing:
+        raise ValueError(f"unknown request class(es) {missing}; known: {sorted(classes)}")
+    return {n: classes[n] for n in names}
 
 
 def _existing_store(url: str | None):

@@ -10,6 +10,7 @@ the target generates).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -291,8 +292,6 @@ def family_dir(path: Path | None = None) -> Path:
 
 def content_hash(folder: Path) -> str:
     """Short sha256 of a model folder's weights: identifies a model beyond its name."""
-    import hashlib
-
     digest = hashlib.sha256()
     for file in sorted(Path(folder).glob("*.safetensors")):
         digest.update(file.read_bytes())

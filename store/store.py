@@ -239,11 +239,11 @@ class Store:
             return {row.request_class: row.state for row in conn.execute(query)}
 
     def policy_history(self, policy: str | None = None) -> list[dict]:
-        query = select(PolicyState).order_by(PolicyState.saved_at)
+        query = select(*PolicyState.__table__.c).order_by(PolicyState.saved_at)
         if policy is not None:
             query = query.where(PolicyState.policy == policy)
         with self.engine.connect() as conn:
-            return [dict(row._mapping) for row in conn.execute(query.with_only_columns(*PolicyState.__table__.c))]
+            return [dict(row._mapping) for row in conn.execute(query)]
 
     # ----- registry ------------------------------------------------------------------------
     def register_model(self, name: str, role: str, content_hash: str, path: str = "", params: int = 0,
