@@ -15,7 +15,7 @@ import torch
 
 from autotune.classes import Request, RequestClass, Workload
 from autotune.controller import AutotuneController, default_arms
-from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, make_policy
 from store import Store
 
@@ -53,8 +53,18 @@ def _hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int,
     return out[0, len(ids):].tolist(), seconds
 
 
+def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
+    """The same models on the default eager path, to measure a compiled engine against."""
+    drafters = {n: d.model if isinstance(d, ModelDrafter) else d for n, d in engine.drafters.items()}
+    return SpeculativeEngine(engine.target, drafters, engine.tokenizer, engine.device, engine.dtype, compile=False)
+
+
 def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_new_tokens: int = 64) -> dict:
-    """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation."""
+    """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation.
+
+    A compiled engine is also measured against its eager twin (same models), side by side, and
+    its one-time compile cost is reported; compiling happens before any timing.
+    """
     encoded = [engine.encode(p).tolist() for p in prompts]
     totals = defaultdict(float)
     tokens = defaultdict(int)
@@ -62,20 +72,29 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     spec_metrics = []
     off_metrics = []
     methods = ["hf_generate", "engine_off", "hf_assisted", "engine_spec"]
+    engines = {"engine": engine}
+    compile_report = None
+    if engine.cache_kind == "compiled":
+        compile_report = engine.warm_up([OFF, arm])
+        engines["eager"] = eager_twin(engine)
+        methods += ["eager_off", "eager_spec"]
     warm = encoded[0]  # first calls allocate and pick kernels: keep them out of the timings
     _hf_generate(engine, warm, 8, None)
     _hf_generate(engine, warm, 8, arm)
-    engine.generate(warm, OFF, 8)
-    engine.generate(warm, arm, 8)
+    for e in engines.values():
+        e.generate(warm, OFF, 8)
+        e.generate(warm, arm, 8)
     for i, ids in enumerate(encoded):
         outputs = {}
         for method in _rotate(methods, i):
             if method.startswith("hf"):
                 out, seconds = _hf_generate(engine, ids, max_new_tokens, arm if method == "hf_assisted" else None)
             else:
-                result = engine.generate(ids, OFF if method == "engine_off" else arm, max_new_tokens)
+                which, what = method.split("_")
+                result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens)
                 out, seconds = result.tokens, result.metrics.total_s
-                (off_metrics if method == "engine_off" else spec_metrics).append(result.metrics)
+                if which == "engine":
+                    (off_metrics if what == "off" else spec_metrics).append(result.metrics)
             outputs[method] = out
             totals[method] += seconds
             tokens[method] += len(out)
@@ -88,8 +107,9 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     speedup = tps["engine_spec"] / tps["engine_off"]
     k = arm.k
     expected = (1 - a ** (k + 1)) / ((1 - a) * (c * k + 1)) if a < 1 else (k + 1) / (c * k + 1)
-    return {
+    result = {
         "device": _device_name(engine),
+        "cache": engine.cache_kind,
         "arm": str(arm),
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
@@ -97,11 +117,18 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         "ratio_off_vs_hf_generate": round(tps["engine_off"] / tps["hf_generate"], 3),
         "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3),
         "speedup_vs_off": round(speedup, 3),
+        "off_step_ms": round(off_step * 1000, 3),
         "acceptance": round(a, 4),
         "cost_ratio": round(c, 4),
         "bound_ratio": round(speedup / expected, 3) if expected > 0 else None,
         "identical_outputs": identical,
     }
+    if compile_report is not None:
+        result["ratio_off_vs_eager_off"] = round(tps["engine_off"] / tps["eager_off"], 3)
+        result["ratio_spec_vs_eager_spec"] = round(tps["engine_spec"] / tps["eager_spec"], 3)
+        result["compile_s"] = {m: {g: round(t, 2) for g, t in r.items()} for m, r in compile_report.items()}
+        result["compile_s_total"] = round(sum(t for r in compile_report.values() for t in r.values()), 2)
+    return result
 
 
 # ----- bench arms ----------------------------------------------------------------------------
@@ -118,6 +145,7 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
                prompts_per_class: int = 6, max_new_tokens: int | None = None, progress=print) -> dict:
     """Every class on every arm, side by side; the ground truth the controller must learn."""
     out = {}
+    compile_report = engine.warm_up(arms)
     warm = engine.encode(next(iter(classes.values())).prompts[0]).tolist()
     for arm in arms:
         engine.generate(warm, arm, 4)
@@ -152,7 +180,9 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         out[name] = {"best_arm": best, "loop_rate": round(loop_count / len(prompts), 3), "arms": arms_out}
         speedup = arms_out[best]["speedup_vs_off"]
         progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
-    return {"device": _device_name(engine), "prompts_per_class": prompts_per_class, "classes": out}
+    return {"device": _device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
+            "compile_s_total": round(sum(t for r in compile_report.values() for t in r.values()), 2),
+            "classes": out}
 
 
 # ----- bench controller ----------------------------------------------------------------------
@@ -187,7 +217,8 @@ def _run_stream(engine, requests: list[Request], controllers: dict[str, Autotune
             r = controllers[name].generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
                                            req.top_p, req.seed)
             log[name].append({"class": req.request_class, "arm": str(r.arm), "tokens": r.metrics.new_tokens,
-                              "seconds": r.metrics.total_s, "decision_ms": r.decision_s * 1000})
+                              "seconds": r.metrics.total_s + r.decision_s + r.learn_s,
+                              "decision_ms": r.decision_s * 1000})
         if (i + 1) % 20 == 0:
             progress(f"  {i + 1}/{len(requests)} requests")
     return log
@@ -207,7 +238,7 @@ def _summary(log: dict[str, list[dict]], warmup: float) -> dict:
 
 
 def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass], ground_truth: dict,
-                     workload: Workload, out_dir: Path, policies=("thompson", "ucb", "contextual"),
+                     workload: Workload, out_dir: Path, policies=("ucb", "thompson", "contextual"),
                      warmup: float = 0.2, drift: Workload | None = None, progress=print) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

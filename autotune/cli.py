@@ -26,7 +26,7 @@ def _emit(result: dict, path: str | None) -> None:
 def _engine(args, drafters=None):
     from autotune.zoo import load_engine
 
-    return load_engine(args.family, device=args.device, drafters=drafters)
+    return load_engine(args.family, device=args.device, drafters=drafters, compile=args.compile)
 
 
 def _classes(args):
@@ -174,11 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         if engine:
             p.add_argument("--family", help="model family folder (default: the built-in family)")
             p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+            p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                           help="compiled decode steps (default: on for CUDA, off for CPU)")
         return p
 
     p = common(sub.add_parser("demo", help="serve a mixed workload through the controller (the main job)"))
     p.add_argument("--requests", type=int, default=120)
-    p.add_argument("--policy", default="thompson")
+    p.add_argument("--policy", default="ucb")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 

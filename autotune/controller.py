@@ -1,9 +1,13 @@
 """The online controller: per request, pick an arm for its class, serve it, measure, learn.
 
-Reward is the request's goodput relative to its class's OFF baseline (a discounted mean of
-that class's OFF requests at the same load bucket), so bandit statistics mean "speedup vs
-OFF". What the policy learned is saved to the store every `save_every` requests and on
-close, and loaded again on start, so a restarted controller resumes without re-exploring.
+Reward is the request's speedup over OFF on the same request: the time OFF would have
+taken for the same prompt and output (this request's prefill plus one OFF decode step per
+output token, the step cost measured on the class's OFF requests at the same load bucket)
+over the time it took. Comparing each request with itself keeps prompt and output length
+out of the reward's noise. Greedy requests also score every other arm by replaying the
+output (counterfactual.py) while a class is being learned. What the policy learned is saved
+to the store every `save_every` requests and on close, and loaded again on start, so a
+restarted controller resumes without re-exploring.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from autotune.classifier import RequestClassifier
+from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
 from policies import Context, Outcome, Policy, PolicyError, make_policy
@@ -37,6 +42,7 @@ class ControlledResult:
     goodput: float
     reward: float
     decision_s: float
+    learn_s: float  # scoring other arms on this request after serving it (counterfactuals)
     load: int
     gpu_util: float | None
     gpu_mem_mb: float | None
@@ -48,12 +54,14 @@ class AutotuneController:
         self,
         engine: SpeculativeEngine,
         store=None,
-        policy: str | Policy = "thompson",
+        policy: str | Policy = "ucb",
         arms: list[Arm] | None = None,
         classifier: RequestClassifier | None = None,
         save_every: int = 25,
         baseline_discount: float = 0.95,
-        min_baseline_tokens: int = 32,
+        min_baseline_steps: int = 32,
+        counterfactual_requests: int = 64,
+        counterfactual_weight: float = 0.5,
         **policy_kwargs,
     ) -> None:
         self.engine = engine
@@ -66,11 +74,18 @@ class AutotuneController:
         for arm in self.policy.arms:
             if not arm.is_off:
                 self._ks.setdefault(arm.drafter, []).append(arm.k)
+        self.compile_report = engine.warm_up(self.policy.arms)  # compiled engines: every graph, up front
         self.classifier = classifier
         self.save_every = save_every
         self.baseline_discount = baseline_discount
-        self.min_baseline_tokens = min_baseline_tokens
-        self.baselines: dict[str, list[float]] = {}  # key -> OFF [tokens, seconds], discounted
+        self.min_baseline_steps = min_baseline_steps
+        # Greedy requests also score every other arm (see counterfactual.py), for the first
+        # `counterfactual_requests` of each key: while the policy is still learning.
+        self.counterfactual_requests = counterfactual_requests
+        self.counterfactual_weight = counterfactual_weight
+        self.costs = CostModel()
+        self._served: dict[str, int] = {}  # key -> requests served
+        self.baselines: dict[str, list[float]] = {}  # key -> OFF decode [steps, seconds], discounted
         self.gpu = GpuMonitor()
         self._policy_lock = threading.Lock()
         self._engine_lock = threading.Lock()
@@ -82,7 +97,8 @@ class AutotuneController:
             for record in engine.model_records:
                 store.register_model(**record)
             self.policy.load_state_dict(store.load_policy_states(self.policy.name))
-            self.baselines = {k: list(v["off"]) for k, v in store.load_policy_states(BASELINE_POLICY).items()}
+            saved = store.load_policy_states(BASELINE_POLICY).items()
+            self.baselines = {k: list(v["off_step"]) for k, v in saved if "off_step" in v}
 
     def _check_arm(self, arm: Arm) -> None:
         if not arm.is_off and arm.drafter not in self.engine.drafters:
@@ -116,8 +132,8 @@ class AutotuneController:
             context = Context(request_class, load, features)
             with self._policy_lock:
                 arm = self.policy.choose(context)
-                if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_tokens:
-                    arm = OFF  # rewards are relative to OFF: measure it first, over enough tokens
+                if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
+                    arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
                 schedule = self.policy.schedule(context, arm)
             decision_s = time.perf_counter() - started
             self._check_arm(arm)
@@ -125,9 +141,9 @@ class AutotuneController:
                 result = self.engine.generate(ids, arm, max_new_tokens, sampling, schedule)
             goodput = result.metrics.tokens_per_s
             reward = self._reward(context.key, arm, result.metrics)
-            siblings = {}
-            if schedule is None and not result.fell_back:
-                siblings = sibling_rewards(result.metrics, arm, reward, self._ks.get(arm.drafter, ()))
+            learn_started = time.perf_counter()
+            siblings = self._other_arms(context.key, arm, reward, schedule, result, ids, max_new_tokens, sampling)
+            learn_s = time.perf_counter() - learn_started
             with self._policy_lock:
                 self.policy.update(context, arm, Outcome(goodput, reward, result.metrics.acceptance,
                                                          result.metrics.new_tokens, siblings))
@@ -139,24 +155,43 @@ class AutotuneController:
                 self._record(result, request_class, classified, load, goodput, reward, gpu, features, sampling)
             return ControlledResult(
                 result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
-                load, gpu.util, gpu.mem_mb, result.fell_back,
+                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back,
             )
         finally:
             with self._load_lock:
                 self._in_flight -= 1
 
-    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics) -> float:
-        """Goodput over the class's OFF rate: discounted OFF tokens / discounted OFF seconds.
+    def _other_arms(self, key, arm, reward, schedule, result, ids, max_new_tokens, sampling) -> dict:
+        """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
+        if schedule is not None or result.fell_back or not self.policy.learns:
+            return {}
+        with self._policy_lock:
+            self.costs.observe(arm, result.metrics)
+            served = self._served[key] = self._served.get(key, 0) + 1
+            steps, seconds = self.baselines.get(key, (0.0, 0.0))
+        if sampling.greedy and served <= self.counterfactual_requests and steps > 0:
+            with self._engine_lock:
+                estimates = arm_rewards(self.engine, self.policy.arms, self.costs, ids, result.tokens,
+                                        max_new_tokens, result.metrics.prefill_s, seconds / steps)
+            estimates.pop(str(arm), None)  # the arm played has its measured reward
+            return {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
+        return sibling_rewards(result.metrics, arm, reward, self._ks.get(arm.drafter, ()))
 
-        A rate of sums, not a mean of per-request rates: an OFF request that stops after one
-        token is nearly all prefill, and must not drag the baseline (and inflate every reward).
+    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics) -> float:
+        """Speedup over OFF on this very request: (prefill + output steps x OFF step cost) / time taken.
+
+        The OFF step cost is a rate of sums (discounted OFF decode seconds / steps), so one odd
+        request does not move it much; an OFF request itself scores about 1.0.
         """
         with self._policy_lock:
-            base = self.baselines.setdefault(key, [0.0, 0.0])  # [tokens, seconds], discounted
-            if arm.is_off:
-                base[0] = base[0] * self.baseline_discount + metrics.new_tokens
-                base[1] = base[1] * self.baseline_discount + metrics.total_s
-            return metrics.tokens_per_s / (base[0] / base[1]) if base[1] > 0 else 1.0
+            base = self.baselines.setdefault(key, [0.0, 0.0])  # OFF decode [steps, seconds], discounted
+            if arm.is_off and metrics.rounds:
+                base[0] = base[0] * self.baseline_discount + metrics.rounds
+                base[1] = base[1] * self.baseline_discount + metrics.verify_s
+            if base[0] <= 0 or metrics.total_s <= 0:
+                return 1.0
+            off_s = metrics.prefill_s + max(metrics.new_tokens - 1, 0) * base[1] / base[0]
+            return off_s / metrics.total_s
 
     def _record(self, result, request_class, classified, load, goodput, reward, gpu, features, sampling) -> None:
         m = result.metrics
@@ -178,7 +213,7 @@ class AutotuneController:
             if key in state:
                 self.store.save_policy_state(self.policy.name, key, state[key])
             if key in self.baselines:
-                self.store.save_policy_state(BASELINE_POLICY, key, {"off": self.baselines[key]})
+                self.store.save_policy_state(BASELINE_POLICY, key, {"off_step": self.baselines[key]})
         self._dirty.clear()
 
     def save(self) -> None:

@@ -13,7 +13,7 @@ from store import Store
 DEMO_WEIGHTS = {"code": 0.3, "docs": 0.2, "edit": 0.3, "creative": 0.2}
 
 
-def run_demo(url: str | None, family=None, device: str = "cpu", requests: int = 120, policy: str = "thompson",
+def run_demo(url: str | None, family=None, device: str = "cpu", requests: int = 120, policy: str = "ucb",
              seed: int = 0, progress=print) -> dict:
     engine = load_engine(family, device=device)
     classes = builtin_classes(include_shared=False)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import PreTrainedModel
 
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample
 
 
@@ -39,37 +40,13 @@ class Drafter(Protocol):
         ...
 
 
-def new_cache(model: PreTrainedModel, max_length: int, static: bool) -> DynamicCache | StaticCache:
-    """A static cache is preallocated once per request; a dynamic one grows and is cropped."""
-    if static:
-        return StaticCache(config=model.config, max_cache_len=max_length)
-    return DynamicCache(config=model.config)
-
-
-def truncate_cache(cache: DynamicCache | StaticCache, length: int) -> None:
-    """Forget cached positions beyond `length` (rejected drafts); the prefix is never recomputed.
-
-    A static cache just moves its write position back: the next round overwrites the rejected
-    entries, and the causal mask hides them until then (gpt-fast's trick).
-    """
-    if isinstance(cache, StaticCache):
-        for layer in cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(length)
-        return
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 class ModelDrafter:
     """A small causal LM sharing the target's vocabulary, with its own persistent KV cache."""
 
     def __init__(self, model: PreTrainedModel, tokenizer=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.static_cache = False  # the engine sets this to match its own cache kind
-        self._cache: DynamicCache | StaticCache | None = None
+        self.runner = ModelRunner(model)  # the engine replaces it to match its own cache kind
         self._seen = 0  # positions held in the cache
 
     @property
@@ -81,21 +58,16 @@ class ModelDrafter:
         return getattr(self.model.config, "max_position_embeddings", None)
 
     def begin(self, prompt: torch.Tensor, max_length: int) -> None:
-        self._cache = new_cache(self.model, max_length, self.static_cache)
-        self.model(prompt[None], past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+        self.runner.begin(prompt, max_length)
         self._seen = prompt.numel()
 
     def propose(self, tokens, k, params, generator):
         device = self.model.device
-        step = torch.tensor([tokens[self._seen :]], device=device)
+        step = torch.tensor([tokens[self._seen :]], device=device)  # 1 token, or 2 after a full accept
         draft: list[int] = []
         dists = []
         for _ in range(k):
-            positions = torch.arange(self._seen, self._seen + step.shape[1], device=device)
-            logits = self.model(
-                step, past_key_values=self._cache, use_cache=True, logits_to_keep=1,
-                cache_position=positions, position_ids=positions[None],
-            ).logits[0, -1]
+            logits = self.runner.step(step, self._seen, keep=1)[-1]
             self._seen += step.shape[1]
             if params.greedy:
                 token = int(logits.argmax())
@@ -109,7 +81,7 @@ class ModelDrafter:
 
     def rollback(self, valid_length: int) -> None:
         if valid_length < self._seen:
-            truncate_cache(self._cache, valid_length)
+            self.runner.truncate(valid_length)
             self._seen = valid_length
 
 

@@ -16,8 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.arms import MAX_K, OFF, Arm
-from engine.drafters import Drafter, ModelDrafter, new_cache, truncate_cache
+from engine.drafters import Drafter, ModelDrafter
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
+from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.schedule import ConstantK, KSchedule
 
@@ -92,9 +93,14 @@ class SpeculativeEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         static_cache: bool = False,
+        compile: bool | None = None,
+        compiled_cache_len: int | None = None,
     ) -> None:
         self.device = torch.device(device)
-        self.static_cache = static_cache
+        if compile is None:
+            compile = self.device.type == "cuda"  # on CPU compiling costs ~15-30 s per graph: opt in
+        self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
+        self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.dtype = dtype
@@ -102,6 +108,7 @@ class SpeculativeEngine:
             tokenizer = AutoTokenizer.from_pretrained(target)
         self.tokenizer = tokenizer
         self.target = _load(target, self.device, dtype)
+        self.runner = ModelRunner(self.target, self.cache_kind, compiled_cache_len)
         self.vocab_size = self.target.config.vocab_size
         self.max_length = getattr(self.target.config, "max_position_embeddings", None)
         self.eos_token_id = self._eos_ids()
@@ -130,7 +137,7 @@ class SpeculativeEngine:
         if isinstance(drafter, PreTrainedModel):
             drafter = ModelDrafter(_load(drafter, self.device, self.dtype), tokenizer)
         if isinstance(drafter, ModelDrafter):
-            drafter.static_cache = self.static_cache
+            drafter.runner = ModelRunner(drafter.model, self.cache_kind, self.compiled_cache_len)
         vocab = getattr(drafter, "vocab_size", None)
         if vocab is not None and vocab != self.vocab_size:
             raise IncompatibleDrafterError(
@@ -144,6 +151,37 @@ class SpeculativeEngine:
                     f"drafter {name!r} uses a tokenizer that does not match the target's"
                 )
         self.drafters[name] = drafter
+
+    def warm_up(self, arms: list[Arm | str]) -> dict[str, dict[str, float]]:
+        """Compile, before serving, every graph `arms` can use, so no request pays for compiling.
+
+        A round of K verifies up to K+1 tokens (fewer near max_new_tokens), and a model drafter
+        feeds 1 or 2 tokens per step. Returns the compile report; eager engines return at once.
+        """
+        if self.cache_kind != "compiled":
+            return {}
+        arms = [Arm.parse(a) if isinstance(a, str) else a for a in arms]
+        prompt = torch.zeros(4, dtype=torch.long, device=self.device)
+        top = max((a.k for a in arms), default=0)
+        with torch.inference_mode():
+            self.runner.begin(prompt, prompt.numel() + top + 2)
+            for length in range(1, top + 2):
+                self.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=length)
+            for name in {a.drafter for a in arms if not a.is_off}:
+                drafter = self.drafters.get(name)
+                if isinstance(drafter, ModelDrafter):
+                    drafter.runner.begin(prompt, prompt.numel() + 2)
+                    for length in (1, 2):
+                        drafter.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=1)
+        return self.compile_report()
+
+    def compile_report(self) -> dict[str, dict[str, float]]:
+        """Seconds each compiled graph's first call took, per model: {"target": {"T->keep": s}, ...}."""
+        report = {"target": dict(self.runner.compile_s)}
+        for name, drafter in self.drafters.items():
+            if isinstance(drafter, ModelDrafter) and drafter.runner.compile_s:
+                report[name] = dict(drafter.runner.compile_s)
+        return report
 
     @property
     def arms_available(self) -> list[str]:
@@ -219,8 +257,7 @@ class SpeculativeEngine:
         start = self._sync()
 
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
-        cache = new_cache(self.target, max_length, self.static_cache)
-        logits = self.target(ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0]
+        logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
         tokens.append(self._pick(logits[-1], sampling, generator))
         if drafter is not None:
@@ -245,7 +282,7 @@ class SpeculativeEngine:
                 now = before_verify
 
             step = torch.tensor([[tokens[-1], *draft]], device=self.device)
-            logits = self._forward(self.target, step, cache, len(tokens) - 1, step.shape[1])
+            logits = self.runner.step(step, len(tokens) - 1, keep=step.shape[1])
             if sampling.greedy:
                 n, nxt = verify_greedy(logits, draft)
             else:
@@ -254,7 +291,7 @@ class SpeculativeEngine:
             prev = len(tokens)
             tokens.extend(draft[:n])
             tokens.append(nxt)
-            truncate_cache(cache, len(tokens) - 1)
+            self.runner.truncate(len(tokens) - 1)
             for i, t in enumerate(tokens[prev:]):  # an EOS inside an accepted draft ends it there
                 if t in self.eos_token_id:
                     del tokens[prev + i + 1 :]
@@ -283,13 +320,6 @@ class SpeculativeEngine:
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return result
-
-    @staticmethod
-    def _forward(model, step: torch.Tensor, cache, start: int, keep: int) -> torch.Tensor:
-        """One forward of `step` at positions start.. with explicit positions, as generate() passes them."""
-        positions = torch.arange(start, start + step.shape[1], device=step.device)
-        return model(step, past_key_values=cache, use_cache=True, logits_to_keep=keep,
-                     cache_position=positions, position_ids=positions[None]).logits[0]
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:

@@ -3,7 +3,10 @@
 Reward is goodput relative to the class's OFF baseline, so statistics from different
 classes are comparable and can be pooled into priors for a new class. Every update
 discounts all arms of its key (gamma), so old evidence fades and the policy follows
-drift; an arm that went unpulled grows uncertain and gets probed again. The OFF guard
+drift; an arm that went unpulled grows uncertain and gets probed again. Classes share what
+they learn: every decision sees each arm's statistics shrunk toward that arm's mean over the
+other keys (a few pseudo-observations), so an arm that is slow everywhere is not explored
+from scratch in every class, while a class's own data soon outweighs the others'. The OFF guard
 sends a class to OFF once its best speculative arm is confidently slower than OFF, and
 still probes rarely so the class can come back.
 """
@@ -83,6 +86,7 @@ class BanditPolicy(Policy):
         arms: list[Arm],
         discount: float = 0.99,
         prior_weight: float = 2.0,
+        share_weight: float = 2.0,
         guard: bool = True,
         guard_z: float = 1.0,
         probe_rate: float = 0.05,
@@ -93,6 +97,7 @@ class BanditPolicy(Policy):
         self.by_name = {str(a): a for a in self.arms}
         self.discount = discount
         self.prior_weight = prior_weight
+        self.share_weight = share_weight
         self.guard = guard
         self.guard_z = guard_z
         self.probe_rate = probe_rate
@@ -134,15 +139,30 @@ class BanditPolicy(Policy):
             self.tables[context.key] = self._new_table(context)
         return self.tables[context.key]
 
+    def _with_shared_prior(self, key: str, table: ArmTable) -> ArmTable:
+        """A copy of `table` plus `share_weight` pseudo-observations of each arm's mean elsewhere."""
+        others = [t for k, t in self.tables.items() if k != key]
+        if not others or self.share_weight <= 0:
+            return table
+        view = ArmTable(self.arm_names, table.rows)
+        view.counts = table.counts
+        variance = sum(t.pooled_variance() for t in others) / len(others)
+        for arm, (mean, _) in self._pooled(others).items():
+            view._add(arm, mean, self.share_weight)
+            view.rows[arm][2] += self.share_weight * variance  # spread like the others' rewards
+        return view
+
     # ----- decisions ----------------------------------------------------------------------
     def choose(self, context: Context) -> Arm:
         table = self.table(context)
         if table.counts[str(OFF)] == 0:
             return OFF  # the class's own baseline comes first: rewards are relative to it
-        guarded = self._guard(table)
+        view = self._with_shared_prior(context.key, table)
+        guarded = self._guard(view)
+        table.guarded = view.guarded
         if guarded is not None:
             return guarded
-        return self.by_name[self._pick(table)]
+        return self.by_name[self._pick(view)]
 
     def _guard(self, table: ArmTable) -> Arm | None:
         table.guarded = False
@@ -175,11 +195,15 @@ class BanditPolicy(Policy):
 
 
 class UCBPolicy(BanditPolicy):
-    """Upper confidence bound with the key's pooled reward noise as the scale."""
+    """Upper confidence bound with the key's pooled reward noise as the scale.
+
+    exploration 0.5 rather than the textbook 1: most of the reward noise is the prompt, shared
+    by all arms, and counterfactual estimates already score the arms not played.
+    """
 
     name = "ucb"
 
-    def __init__(self, arms: list[Arm], exploration: float = 1.0, **kw) -> None:
+    def __init__(self, arms: list[Arm], exploration: float = 0.5, **kw) -> None:
         super().__init__(arms, **kw)
         self.exploration = exploration
 

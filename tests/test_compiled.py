@@ -1,0 +1,57 @@
+"""The compiled decode path (persistent static cache, one torch.compile graph per step length)
+is as lossless as the eager one, and compiles everything before serving."""
+
+import pytest
+from test_engine import hf_greedy, prompts
+
+from engine import NGramDrafter, SamplingParams, SpeculativeEngine
+
+ARMS = ["off", "small:3", "ngram:3"]
+
+
+@pytest.fixture(scope="module")
+def compiled(target, draft_model):
+    engine = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3)}, compile=True)
+    return engine, engine.warm_up(ARMS)
+
+
+def test_warm_up_compiles_every_step_length_and_serving_compiles_nothing_more(compiled):
+    engine, report = compiled
+    assert engine.cache_kind == "compiled"
+    assert set(report["target"]) == {"1->1", "2->2", "3->3", "4->4"}  # OFF, and K+1 for K = 1..3
+    assert set(report["small"]) == {"1->1", "2->1"}  # 1 token, or 2 after a fully accepted draft
+    assert "ngram" not in report  # no model, nothing to compile
+    for prompt in prompts(4, seed=2):
+        for arm in ARMS:
+            engine.generate(prompt, arm, max_new_tokens=19)
+    assert engine.compile_report() == report
+
+
+def test_compiled_greedy_equals_target_generate(compiled, target):
+    engine, _ = compiled
+    accepted = 0
+    for i, prompt in enumerate(prompts(10)):
+        max_new = 17 + i % 5  # the last draft crosses max_new_tokens: shorter verify steps
+        reference = hf_greedy(target, prompt, max_new)
+        for arm in ARMS:
+            result = engine.generate(prompt, arm, max_new_tokens=max_new)
+            assert result.tokens == reference, (i, arm)
+            accepted += result.metrics.accepted
+    assert accepted > 0
+
+
+def test_compiled_sampling_matches_the_eager_engine_draw_for_draw(compiled, target, draft_model):
+    engine, _ = compiled
+    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3)})
+    params = SamplingParams(temperature=0.8, seed=5)
+    for prompt in prompts(4, seed=9):
+        for arm in ARMS:
+            assert engine.generate(prompt, arm, 20, params).tokens == eager.generate(prompt, arm, 20, params).tokens
+
+
+def test_a_request_longer_than_the_compiled_cache_is_served_on_the_eager_path(target, draft_model):
+    engine = SpeculativeEngine(target, {"small": draft_model}, compile=True, compiled_cache_len=24)
+    prompt = prompts(1, seed=6)[0]  # 12 tokens + 30 new > 24 positions
+    for arm in ("off", "small:3"):
+        assert engine.generate(prompt, arm, max_new_tokens=30).tokens == hf_greedy(target, prompt, 30)
+    assert engine.compile_report() == {"target": {}}  # nothing was compiled for it

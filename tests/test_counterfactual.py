@@ -1,0 +1,45 @@
+"""Counterfactual replay: from one greedy request, what every other arm would have done."""
+
+import pytest
+from test_engine import prompts
+
+from autotune.counterfactual import CostModel, arm_rewards, replay_arm
+from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
+
+
+@pytest.fixture(scope="module")
+def engine(target, draft_model):
+    return SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3)})
+
+
+def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine):
+    for i, prompt in enumerate(prompts(12, seed=4)):
+        max_new = 20 + i % 7
+        output = engine.generate(prompt, OFF, max_new_tokens=max_new).tokens
+        for arm in (Arm("small", 1), Arm("small", 3), Arm("small", 8), Arm("ngram", 2), Arm("ngram", 6)):
+            served = engine.generate(prompt, arm, max_new_tokens=max_new).metrics
+            rounds = replay_arm(engine, arm, prompt, output, max_new)
+            assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
+
+
+def test_estimated_rewards_follow_acceptance_and_cost():
+    costs = CostModel()
+    assert costs.verify_cost(3) is None  # nothing measured yet
+    costs.verify = {1: [0.5, 100.0], 5: [0.7, 100.0]}  # 5 ms per 1-token step, 7 ms per 5-token step
+    assert costs.verify_cost(3) == pytest.approx(0.006)  # the line through what was measured
+    costs.verify = {1: [0.5, 100.0]}
+    assert costs.verify_cost(3) > costs.verify_cost(1)  # one point: a prior slope, never cheaper
+
+
+def test_arms_whose_drafter_never_ran_get_no_estimate(engine):
+    prompt = prompts(1, seed=1)[0]
+    result = engine.generate(prompt, "small:2", max_new_tokens=24)
+    costs = CostModel()
+    costs.observe(Arm("small", 2), result.metrics)
+    costs.observe(OFF, engine.generate(prompt, OFF, max_new_tokens=24).metrics)
+    arms = [OFF, Arm("small", 1), Arm("small", 4), Arm("ngram", 3)]
+    estimates = arm_rewards(engine, arms, costs, prompt, result.tokens, 24, result.metrics.prefill_s,
+                            costs.verify_cost(1))
+    assert set(estimates) == {"off", "small:1", "small:4"}
+    assert estimates["off"] == pytest.approx(1.0)
+    assert all(r > 0 for r in estimates.values())
