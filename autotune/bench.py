@@ -53,6 +53,10 @@ def _hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int,
     return out[0, len(ids):].tolist(), seconds
 
 
+def _compile_total(report: dict[str, dict[str, float]]) -> float:
+    return round(sum(t for graphs in report.values() for t in graphs.values()), 2)
+
+
 def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
     """The same models on the default eager path, to measure a compiled engine against."""
     drafters = {n: d.model if isinstance(d, ModelDrafter) else d for n, d in engine.drafters.items()}
@@ -127,7 +131,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         result["ratio_off_vs_eager_off"] = round(tps["engine_off"] / tps["eager_off"], 3)
         result["ratio_spec_vs_eager_spec"] = round(tps["engine_spec"] / tps["eager_spec"], 3)
         result["compile_s"] = {m: {g: round(t, 2) for g, t in r.items()} for m, r in compile_report.items()}
-        result["compile_s_total"] = round(sum(t for r in compile_report.values() for t in r.values()), 2)
+        result["compile_s_total"] = _compile_total(compile_report)
     return result
 
 
@@ -181,7 +185,7 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         speedup = arms_out[best]["speedup_vs_off"]
         progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
     return {"device": _device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
-            "compile_s_total": round(sum(t for r in compile_report.values() for t in r.values()), 2),
+            "compile_s_total": _compile_total(compile_report),
             "classes": out}
 
 

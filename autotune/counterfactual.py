@@ -99,22 +99,25 @@ def replay(runs: list[int], proposed: list[int] | None, k: int, max_new_tokens: 
     total = len(runs) + 1
     while committed < total:
         j = committed - 1
-        k_round = min(k, max_new_tokens - committed - 1, proposed[j] if proposed is not None else k)
-        k_round = max(k_round, 0)
+        k_round = max(0, min(k, max_new_tokens - committed - 1, proposed[j] if proposed is not None else k))
         rounds.append(k_round)
         committed += min(runs[j], k_round) + 1
     return rounds
 
 
+def drafter_runs(drafter, sequence: list[int], start: int, k: int) -> tuple[list[int], list[int] | None]:
+    """(runs, tokens proposed) from every position for a model or n-gram drafter (proposed None: always k)."""
+    if isinstance(drafter, NGramDrafter):
+        proposed, runs = ngram_runs(drafter, sequence, start, k)
+        return runs, proposed
+    return model_runs(drafter, sequence, start), None
+
+
 def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int],
                max_new_tokens: int) -> list[int]:
     """Tokens drafted per round had `arm` served this greedy request (one entry per round)."""
-    sequence, start = prompt + output, len(prompt) + 1
-    drafter = engine.drafters[arm.drafter]
-    if isinstance(drafter, NGramDrafter):
-        proposed, runs = ngram_runs(drafter, sequence, start, arm.k)
-        return replay(runs, proposed, arm.k, max_new_tokens)
-    return replay(model_runs(drafter, sequence, start), None, arm.k, max_new_tokens)
+    runs, proposed = drafter_runs(engine.drafters[arm.drafter], prompt + output, len(prompt) + 1, arm.k)
+    return replay(runs, proposed, arm.k, max_new_tokens)
 
 
 def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel, prompt: list[int],
@@ -130,14 +133,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel, pr
     for arm in known:
         if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter)):
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
-    run_table = {}
-    for name, k in longest.items():
-        drafter = engine.drafters[name]
-        if isinstance(drafter, ModelDrafter):
-            run_table[name] = (model_runs(drafter, sequence, start), None)
-        else:
-            proposed, runs = ngram_runs(drafter, sequence, start, k)
-            run_table[name] = (runs, proposed)
+    run_table = {name: drafter_runs(engine.drafters[name], sequence, start, k) for name, k in longest.items()}
     estimates = {}
     for arm in known:
         if arm.is_off:

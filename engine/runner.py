@@ -30,11 +30,10 @@ COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped b
 RECOMPILE_LIMIT = 64
 
 
-def compile_cache_dir() -> Path:
-    """Where inductor keeps compiled kernels between processes (set unless the user did)."""
+def use_compile_cache_dir() -> None:
+    """Keep inductor's compiled kernels in the user cache between processes, unless set already."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spec-autotune" / "inductor"
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default))
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 class ModelRunner:
@@ -52,7 +51,7 @@ class ModelRunner:
             context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
             self.max_cache_len = min(max_cache_len or COMPILED_CACHE_LEN, context)
             self._static = StaticCache(config=model.config, max_cache_len=self.max_cache_len)
-            compile_cache_dir()
+            use_compile_cache_dir()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             mode = "reduce-overhead" if model.device.type == "cuda" else None
             self._compiled = torch.compile(self._eager_step, mode=mode, fullgraph=True, dynamic=False)
