@@ -27,7 +27,7 @@ def _rotate(items: list, i: int) -> list:
     return items[i:] + items[:i]
 
 
-def _device_name(engine: SpeculativeEngine) -> str:
+def device_name(engine: SpeculativeEngine) -> str:
     if engine.device.type == "cuda":
         return torch.cuda.get_device_name(engine.device)
     return f"cpu ({torch.get_num_threads()} threads)"
@@ -112,7 +112,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     k = arm.k
     expected = (1 - a ** (k + 1)) / ((1 - a) * (c * k + 1)) if a < 1 else (k + 1) / (c * k + 1)
     result = {
-        "device": _device_name(engine),
+        "device": device_name(engine),
         "cache": engine.cache_kind,
         "arm": str(arm),
         "prompts": len(prompts),
@@ -184,7 +184,7 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         out[name] = {"best_arm": best, "loop_rate": round(loop_count / len(prompts), 3), "arms": arms_out}
         speedup = arms_out[best]["speedup_vs_off"]
         progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
-    return {"device": _device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
+    return {"device": device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
             "compile_s_total": _compile_total(compile_report),
             "classes": out}
 
@@ -284,7 +284,7 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
     ctl, oracle, off = summary[lead], summary["oracle"], summary["off"]
     decisions = sorted(r["decision_ms"] for p in policies for r in log[p])
     result = {
-        "device": _device_name(engine),
+        "device": device_name(engine),
         "requests": workload.n_requests,
         "warmup_fraction": warmup,
         "policy": lead,

@@ -95,6 +95,18 @@ def cmd_tune(args) -> None:
     _emit(result, args.json)
 
 
+def _print_limits(result: dict) -> None:
+    t = result["target"]
+    print(f"{result['device']}, {result['cache']} steps, {result['dtype']}; copy bandwidth "
+          f"{result['copy_bandwidth_GBps']} GB/s")
+    print(f"target: {t['weight_MB']} MB of weights per step, {t['step_ms']} ms per step = {t['tokens_per_s']} tokens/s,"
+          f" {t['fraction_of_limit']:.0%} of the bandwidth limit ({t['bandwidth_limit_tokens_per_s']} tokens/s)")
+    costs = result["verify_cost_vs_one_token"]
+    print("verify K+1 tokens / 1 token: " + ", ".join(f"K={k}: {v}" for k, v in costs.items()))
+    for name, d in result["drafters"].items():
+        print(f"drafter {name}: {d['weight_MB']} MB, {d['step_ms']} ms per step, cost ratio {d['cost_ratio']}")
+
+
 def cmd_bench(args) -> None:
     from autotune import bench
 
@@ -104,6 +116,16 @@ def cmd_bench(args) -> None:
         return _emit(result, args.json)
     from engine import Arm
 
+    if args.what == "limits":
+        from autotune import limits
+
+        if args.llama_shapes:
+            engine = limits.llama_shaped_engine(args.device, compile=args.compile)
+        else:
+            engine = _engine(args, drafters=None)
+        result = limits.bench_limits(engine, max_k=4 if args.quick else args.max_k)
+        _print_limits(result)
+        return _emit(result, args.json)
     engine = _engine(args)
     if args.what == "engine":
         from autotune.classes import builtin_classes
@@ -198,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, arms, controller, store"))
-    p.add_argument("what", choices=["engine", "arms", "controller", "store"])
+    p.add_argument("what", choices=["engine", "arms", "controller", "store", "limits"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
@@ -208,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms-json", help="bench controller: ground truth from `bench arms --json`")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
+    p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")
+    p.add_argument("--llama-shapes", action="store_true",
+                   help="bench limits: random bf16 models shaped like Llama-3.1-8B / Llama-3.2-1B (CUDA)")
     p.set_defaults(func=cmd_bench)
 
     zoo = sub.add_parser("zoo", help="the model family").add_subparsers(dest="zoo_command", required=True)

@@ -71,7 +71,8 @@ AttentionMaskInterface.register(STEP_ATTENTION, sdpa_mask)
 # C++ GEMM template (chosen by benchmarking it against ATen at compile time) costs about what one
 # token costs. Freezing makes the weights constants of the graph, which both need.
 CPU_ONE_TOKEN = {"freezing": True, "cpp.weight_prepack": False, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
-CPU_MANY_TOKENS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+CPU_MANY_TOKENS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                   "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}  # quiet
 
 
 def keep_parameter_identity_guards(guards: list) -> list[bool]:

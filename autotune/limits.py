@@ -1,0 +1,119 @@
+"""Where speculation can pay on a device: `autotune bench limits`.
+
+Speculation trades extra target work for fewer target steps, so what decides it is hardware:
+how close one plain decode step gets to the memory-bandwidth limit (weight bytes / copy
+bandwidth), how much more a step of K+1 tokens costs than a step of one, and how cheap a
+drafter step is next to a target step. This measures the three on an engine's own runners
+(compiled when the engine is), for the project's family or for random-weight models shaped
+like Llama-3.1-8B and Llama-3.2-1B in bfloat16, so a production-sized pair can be measured
+without downloading either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from autotune.bench import device_name
+from engine import ModelDrafter, SpeculativeEngine
+from engine.runner import ModelRunner
+
+LLAMA_SHAPES = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+}
+
+
+def llama_shaped_engine(device: str, compile: bool | None = None) -> SpeculativeEngine:
+    """Random bf16 models shaped like Llama-3.1-8B (target) and Llama-3.2-1B (drafter)."""
+    if torch.device(device).type != "cuda":
+        raise ValueError("the Llama-shaped models need a CUDA device: the target alone is 16 GB of bfloat16 weights")
+    models = {}
+    for name, shape in LLAMA_SHAPES.items():
+        config = LlamaConfig(max_position_embeddings=4096, rope_theta=500000.0, eos_token_id=None, **shape)
+        with torch.device(device):
+            models[name] = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    target = models.pop("llama-3.1-8b")
+    return SpeculativeEngine(target, models, device=device, dtype=torch.bfloat16, compile=compile)
+
+
+def weight_bytes_per_step(model: PreTrainedModel) -> int:
+    """Bytes of weights one decode step reads: every parameter, except that the input embedding
+    table is only looked up (one row) unless it is also the output projection."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    if output is None or output.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
+    """Bytes per second moved by a device-to-device copy (read + write), large enough to miss caches."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync(device)
+    began = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * nbytes * repeats / (time.perf_counter() - began)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_seconds(runner: ModelRunner, device: torch.device, length: int, keep: int, start: int,
+                 repeats: int) -> float:
+    """Median seconds of one `length`-token step at position `start` (rolled back each time).
+
+    The first call is dropped: on a compiled runner it compiles the graph for this length."""
+    tokens = torch.zeros((1, length), dtype=torch.long, device=device)
+    times = []
+    for _ in range(repeats + 1):
+        runner.truncate(start)
+        _sync(device)
+        began = time.perf_counter()
+        runner.step(tokens, start, keep)
+        _sync(device)
+        times.append(time.perf_counter() - began)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
+
+
+def bench_limits(engine: SpeculativeEngine, max_k: int = 16, prompt_tokens: int = 64, repeats: int = 30) -> dict:
+    """Target step vs the bandwidth limit, verify cost of K+1 tokens vs 1, drafter/target step cost."""
+    drafters = {n: d for n, d in engine.drafters.items() if isinstance(d, ModelDrafter)}
+    device = engine.device
+    bandwidth = copy_bandwidth(device)
+    prompt = torch.zeros(prompt_tokens, dtype=torch.long, device=device)
+    result = {"device": device_name(engine), "cache": engine.cache_kind, "dtype": str(engine.dtype).split(".")[-1],
+              "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "prompt_tokens": prompt_tokens}
+    with torch.inference_mode():
+        engine.runner.begin(prompt, prompt_tokens + max_k + 2)
+        one = step_seconds(engine.runner, device, 1, 1, prompt_tokens, repeats)
+        limit = bandwidth / 2 / weight_bytes_per_step(engine.target)  # a step reads the weights: half a copy
+        result["target"] = {
+            "weight_MB": round(weight_bytes_per_step(engine.target) / 2**20, 1), "step_ms": round(one * 1000, 3),
+            "tokens_per_s": round(1 / one, 1), "bandwidth_limit_tokens_per_s": round(limit, 1),
+            "fraction_of_limit": round(1 / one / limit, 3),
+        }
+        result["verify_cost_vs_one_token"] = {
+            str(k): round(step_seconds(engine.runner, device, k + 1, k + 1, prompt_tokens, repeats) / one, 3)
+            for k in range(1, max_k + 1)
+        }
+        result["drafters"] = {}
+        for name, drafter in drafters.items():
+            drafter.runner.begin(prompt, prompt_tokens + 2)
+            seconds = step_seconds(drafter.runner, device, 1, 1, prompt_tokens, repeats)
+            result["drafters"][name] = {"weight_MB": round(weight_bytes_per_step(drafter.model) / 2**20, 1),
+                                        "step_ms": round(seconds * 1000, 3), "cost_ratio": round(seconds / one, 3)}
+    return result
+
