@@ -28,7 +28,7 @@ def test_bench_limits_measures_every_verify_length_and_each_model_drafter(target
     target_row = result["target"]
     assert target_row["weight_MB"] == round(weight_bytes_per_step(target) / 2**20, 1)
     assert target_row["fraction_of_limit"] == pytest.approx(
-        target_row["tokens_per_s"] / target_row["bandwidth_limit_tokens_per_s"], rel=0.01)
+        target_row["tokens_per_s"] / target_row["bandwidth_limit_tokens_per_s"], rel=0.01, abs=1e-3)  # rounded
 
 
 def test_llama_shapes_refuse_a_cpu_with_a_clear_error():
