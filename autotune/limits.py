@@ -11,6 +11,7 @@ without downloading either.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -70,22 +71,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def step_seconds(runner: ModelRunner, device: torch.device, length: int, keep: int, start: int,
-                 repeats: int) -> float:
-    """Median seconds of one `length`-token step at position `start` (rolled back each time).
+def step_seconds(steps: dict[str, tuple[ModelRunner, int, int]], device: torch.device, start: int,
+                 repeats: int) -> dict[str, float]:
+    """Median seconds of each named (runner, tokens, logits kept) step at position `start`.
 
-    The first call is dropped: on a compiled runner it compiles the graph for this length."""
-    tokens = torch.zeros((1, length), dtype=torch.long, device=device)
-    times = []
+    The steps take turns, one call each per repeat, so a slow moment of a shared machine hits
+    them all alike. Each call is rolled back first; the first round is dropped (on a compiled
+    runner it compiles the graph for that length)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats + 1):
-        runner.truncate(start)
-        _sync(device)
-        began = time.perf_counter()
-        runner.step(tokens, start, keep)
-        _sync(device)
-        times.append(time.perf_counter() - began)
-    times = sorted(times[1:])
-    return times[len(times) // 2]
+        for name, (runner, length, keep) in steps.items():
+            tokens = torch.zeros((1, length), dtype=torch.long, device=device)
+            runner.truncate(start)
+            _sync(device)
+            began = time.perf_counter()
+            runner.step(tokens, start, keep)
+            _sync(device)
+            times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def bench_limits(engine: SpeculativeEngine, max_k: int = 16, prompt_tokens: int = 64, repeats: int = 30) -> dict:
@@ -98,22 +101,22 @@ def bench_limits(engine: SpeculativeEngine, max_k: int = 16, prompt_tokens: int 
               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "prompt_tokens": prompt_tokens}
     with torch.inference_mode():
         engine.runner.begin(prompt, prompt_tokens + max_k + 2)
-        one = step_seconds(engine.runner, device, 1, 1, prompt_tokens, repeats)
-        limit = bandwidth / 2 / weight_bytes_per_step(engine.target)  # a step reads the weights: half a copy
-        result["target"] = {
-            "weight_MB": round(weight_bytes_per_step(engine.target) / 2**20, 1), "step_ms": round(one * 1000, 3),
-            "tokens_per_s": round(1 / one, 1), "bandwidth_limit_tokens_per_s": round(limit, 1),
-            "fraction_of_limit": round(1 / one / limit, 3),
-        }
-        result["verify_cost_vs_one_token"] = {
-            str(k): round(step_seconds(engine.runner, device, k + 1, k + 1, prompt_tokens, repeats) / one, 3)
-            for k in range(1, max_k + 1)
-        }
-        result["drafters"] = {}
+        steps = {f"target K={k}": (engine.runner, k + 1, k + 1) for k in range(0, max_k + 1)}  # K=0: plain decoding
         for name, drafter in drafters.items():
             drafter.runner.begin(prompt, prompt_tokens + 2)
-            seconds = step_seconds(drafter.runner, device, 1, 1, prompt_tokens, repeats)
-            result["drafters"][name] = {"weight_MB": round(weight_bytes_per_step(drafter.model) / 2**20, 1),
-                                        "step_ms": round(seconds * 1000, 3), "cost_ratio": round(seconds / one, 3)}
+            steps[f"drafter {name}"] = (drafter.runner, 1, 1)
+        seconds = step_seconds(steps, device, prompt_tokens, repeats)
+    one = seconds["target K=0"]
+    weights = weight_bytes_per_step(engine.target)
+    limit = bandwidth / 2 / weights  # a step reads the weights once: half of what a copy moves
+    result["target"] = {"weight_MB": round(weights / 2**20, 1), "step_ms": round(one * 1000, 3),
+                        "tokens_per_s": round(1 / one, 1), "bandwidth_limit_tokens_per_s": round(limit, 1),
+                        "fraction_of_limit": round(1 / one / limit, 3)}
+    result["verify_cost_vs_one_token"] = {str(k): round(seconds[f"target K={k}"] / one, 3) for k in range(1, max_k + 1)}
+    result["drafters"] = {
+        name: {"weight_MB": round(weight_bytes_per_step(d.model) / 2**20, 1),
+               "step_ms": round(seconds[f"drafter {name}"] * 1000, 3),
+               "cost_ratio": round(seconds[f"drafter {name}"] / one, 3)}
+        for name, d in drafters.items()
+    }
     return result
-

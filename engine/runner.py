@@ -12,8 +12,8 @@
   stays eager (prompt lengths vary). The first call of each length is timed and reported as
   that graph's compile cost. Every step attends over the whole cache, so it is kept short
   (512 positions unless asked otherwise: 256/512/1024 positions cost 5.2/6.1/6.8 ms per
-  demo-target step on the 2-core CPU); a request that does not fit runs on the dynamic
-  eager path instead, still served, still lossless.
+  demo-target step on the 2-core CPU, before the settings below); a request that does not
+  fit runs on the dynamic eager path instead, still served, still lossless.
 
 Three settings make the compiled step cheap on CPU, where a demo-target step is a few
 milliseconds and fixed costs dominate:
