@@ -74,7 +74,7 @@ class AutotuneController:
         for arm in self.policy.arms:
             if not arm.is_off:
                 self._ks.setdefault(arm.drafter, []).append(arm.k)
-        self.compile_report = engine.warm_up(self.policy.arms)  # compiled engines: every graph, up front
+        self.compile_report = engine.warm_up(self._reachable_arms())  # compiled engines: every graph, up front
         self.classifier = classifier
         self.save_every = save_every
         self.baseline_discount = baseline_discount
@@ -99,6 +99,16 @@ class AutotuneController:
             self.policy.load_state_dict(store.load_policy_states(self.policy.name))
             saved = store.load_policy_states(BASELINE_POLICY).items()
             self.baselines = {k: list(v["off_step"]) for k, v in saved if "off_step" in v}
+
+    def _reachable_arms(self) -> list[Arm]:
+        """The policy's arms, plus the largest K a schedule that moves K inside a request can reach."""
+        arms = list(self.policy.arms)
+        for arm in self.policy.arms:
+            schedule = None if arm.is_off else self.policy.schedule(Context("warm-up"), arm)
+            k_max = getattr(schedule, "k_max", arm.k)
+            if k_max > arm.k:
+                arms.append(Arm(arm.drafter, k_max))
+        return arms
 
     def _check_arm(self, arm: Arm) -> None:
         if not arm.is_off and arm.drafter not in self.engine.drafters:

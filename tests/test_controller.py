@@ -7,7 +7,7 @@ import torch
 
 from autotune.classifier import RequestClassifier
 from autotune.controller import AutotuneController
-from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
+from engine import MAX_K, OFF, Arm, NGramDrafter, SpeculativeEngine
 from policies import Context, Policy, PolicyError
 from store import Store
 
@@ -136,3 +136,13 @@ def test_a_learning_policy_serves_off_until_the_baseline_has_enough_steps(engine
     assert arms[:3] == ["off", "off", "off"]  # 7 + 7 + 7 decode steps reach 20 only after the third
     static = AutotuneController(engine, policy="static", arms=[OFF], arm="small:2")
     assert str(static.generate(PROMPTS[0], request_class="code", max_new_tokens=8).arm) == "small:2"
+
+
+def test_warm_up_covers_every_k_a_schedule_can_reach(engine, tmp_path):
+    """The heuristic schedule grows K inside a request: a compiled engine must have those graphs first."""
+    with Store(f"sqlite:///{tmp_path}/h.db") as store:
+        heuristic = AutotuneController(engine, store, policy="heuristic", arms=[OFF, Arm("small", 3)],
+                                       arm=Arm("small", 3))
+        assert Arm("small", MAX_K) in heuristic._reachable_arms()
+        static = AutotuneController(engine, store, policy="static", arms=[OFF, Arm("small", 3)], arm=Arm("small", 3))
+        assert static._reachable_arms() == [OFF, Arm("small", 3)]
