@@ -119,10 +119,7 @@ def cmd_bench(args) -> None:
     if args.what == "limits":
         from autotune import limits
 
-        if args.llama_shapes:
-            engine = limits.llama_shaped_engine(args.device, compile=args.compile)
-        else:
-            engine = _engine(args, drafters=None)
+        engine = limits.llama_shaped_engine(args.device, compile=args.compile) if args.llama_shapes else _engine(args)
         result = limits.bench_limits(engine, max_k=4 if args.quick else args.max_k)
         _print_limits(result)
         return _emit(result, args.json)

@@ -12,7 +12,6 @@ without downloading either.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
@@ -53,25 +52,18 @@ def weight_bytes_per_step(model: PreTrainedModel) -> int:
     return total
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
-    """Bytes per second moved by a device-to-device copy (read + write), large enough to miss caches."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def copy_bandwidth(engine: SpeculativeEngine, nbytes: int = 256 * 2**20, repeats: int = 10) -> float:
+    """Bytes per second moved by a copy on the engine's device (read + write), large enough to miss caches."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=engine.device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    _sync(device)
-    began = time.perf_counter()
+    began = engine._sync()
     for _ in range(repeats):
         dst.copy_(src)
-    _sync(device)
-    return 2 * nbytes * repeats / (time.perf_counter() - began)
+    return 2 * nbytes * repeats / (engine._sync() - began)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def step_seconds(steps: dict[str, tuple[ModelRunner, int, int]], device: torch.device, start: int,
+def step_seconds(steps: dict[str, tuple[ModelRunner, int, int]], engine: SpeculativeEngine, start: int,
                  repeats: int) -> dict[str, float]:
     """Median seconds of each named (runner, tokens, logits kept) step at position `start`.
 
@@ -81,22 +73,19 @@ def step_seconds(steps: dict[str, tuple[ModelRunner, int, int]], device: torch.d
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats + 1):
         for name, (runner, length, keep) in steps.items():
-            tokens = torch.zeros((1, length), dtype=torch.long, device=device)
+            tokens = torch.zeros((1, length), dtype=torch.long, device=engine.device)
             runner.truncate(start)
-            _sync(device)
-            began = time.perf_counter()
+            began = engine._sync()
             runner.step(tokens, start, keep)
-            _sync(device)
-            times[name].append(time.perf_counter() - began)
+            times[name].append(engine._sync() - began)
     return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 def bench_limits(engine: SpeculativeEngine, max_k: int = 16, prompt_tokens: int = 64, repeats: int = 30) -> dict:
     """Target step vs the bandwidth limit, verify cost of K+1 tokens vs 1, drafter/target step cost."""
     drafters = {n: d for n, d in engine.drafters.items() if isinstance(d, ModelDrafter)}
-    device = engine.device
-    bandwidth = copy_bandwidth(device)
-    prompt = torch.zeros(prompt_tokens, dtype=torch.long, device=device)
+    bandwidth = copy_bandwidth(engine)
+    prompt = torch.zeros(prompt_tokens, dtype=torch.long, device=engine.device)
     result = {"device": device_name(engine), "cache": engine.cache_kind, "dtype": str(engine.dtype).split(".")[-1],
               "copy_bandwidth_GBps": round(bandwidth / 1e9, 1), "prompt_tokens": prompt_tokens}
     with torch.inference_mode():
@@ -105,7 +94,7 @@ def bench_limits(engine: SpeculativeEngine, max_k: int = 16, prompt_tokens: int 
         for name, drafter in drafters.items():
             drafter.runner.begin(prompt, prompt_tokens + 2)
             steps[f"drafter {name}"] = (drafter.runner, 1, 1)
-        seconds = step_seconds(steps, device, prompt_tokens, repeats)
+        seconds = step_seconds(steps, engine, prompt_tokens, repeats)
     one = seconds["target K=0"]
     weights = weight_bytes_per_step(engine.target)
     limit = bandwidth / 2 / weights  # a step reads the weights once: half of what a copy moves

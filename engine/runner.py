@@ -111,7 +111,8 @@ class ModelRunner:
                 if model.config._attn_implementation == "sdpa":
                     model.set_attn_implementation(STEP_ATTENTION)
                 # Inductor reads these from its global config when a graph compiles, which happens
-                # inside a call (torch.compile's options do not reach them): patched around each call.
+                # inside a call (torch.compile's options do not reach them): patched around the
+                # first call of each step length.
                 self._one_token = torch._inductor.config.patch(CPU_ONE_TOKEN)
                 self._many_tokens = torch._inductor.config.patch(CPU_MANY_TOKENS)
                 options = {"guard_filter_fn": keep_parameter_identity_guards}
@@ -139,13 +140,15 @@ class ModelRunner:
         if self._eager_request:
             return self._eager_step(tokens, positions, keep)
         shape = f"{tokens.shape[1]}->{keep}"  # tokens in -> logits out: one graph each
-        began = time.perf_counter()
-        with self._one_token if tokens.shape[1] == 1 else self._many_tokens:
+        if shape in self.compile_s:
             logits = self._compiled(tokens, positions, keep)
+        else:  # the first call of a length compiles its graph, under that length's settings
+            began = time.perf_counter()
+            with self._one_token if tokens.shape[1] == 1 else self._many_tokens:
+                logits = self._compiled(tokens, positions, keep)
+            self.compile_s[shape] = time.perf_counter() - began
         if tokens.device.type == "cuda":
             logits = logits.clone()  # a CUDA graph overwrites its output buffer on the next replay
-        if shape not in self.compile_s:
-            self.compile_s[shape] = time.perf_counter() - began
         return logits
 
     def _own_step(self):

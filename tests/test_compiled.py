@@ -40,7 +40,7 @@ def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
             # Same drafts as eager: the drafter runs its own graph, not the target's (same code, other weights).
             assert result.metrics.accepted == eager.generate(prompt, arm, max_new_tokens=max_new).metrics.accepted
             accepted += result.metrics.accepted
-    assert 0 < accepted
+    assert accepted > 0
 
 
 def test_compiled_sampling_matches_the_eager_engine_draw_for_draw(compiled, target, draft_model):
