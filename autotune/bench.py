@@ -146,37 +146,53 @@ def loops(tokens: list[int], min_len: int = 24) -> bool:
 
 
 def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
-               prompts_per_class: int = 6, max_new_tokens: int | None = None, progress=print) -> dict:
-    """Every class on every arm, side by side; the ground truth the controller must learn."""
+               prompts_per_class: int = 6, max_new_tokens: int | None = None, batch: int = 1,
+               progress=print) -> dict:
+    """Every class on every arm, side by side; the ground truth the controller must learn.
+
+    batch > 1 measures the load case: `prompts_per_class // 3` (at least 2) batches of a class's
+    next `batch` prompts, each served together on every arm, arms taking turns.
+    """
     out = {}
-    compile_report = engine.warm_up(arms)
+    compile_report = engine.warm_up(arms) if batch == 1 else {}
     warm = engine.encode(next(iter(classes.values())).prompts[0]).tolist()
     for arm in arms:
         engine.generate(warm, arm, 4)
     for name, cls in classes.items():
         stats = {str(a): defaultdict(float) for a in arms}
         loop_count = 0
-        prompts = cls.prompts[:prompts_per_class]
-        for i, prompt in enumerate(prompts):
-            ids = engine.encode(prompt).tolist()
+        limit = max_new_tokens or cls.max_new_tokens
+        if batch == 1:
+            prompts = cls.prompts[:prompts_per_class]
+            units = [[engine.encode(p).tolist()] for p in prompts]
+        else:  # different batches: one batch's prompts are not the class
+            prompts = cls.prompts[:batch * max(2, prompts_per_class // 3)]
+            units = [[engine.encode(p).tolist() for p in prompts[i:i + batch]] for i in range(0, len(prompts), batch)]
+        for i, unit in enumerate(units):
             for arm in _rotate(arms, i):
-                sampling = SamplingParams(cls.temperature, cls.top_p, seed=i)
-                r = engine.generate(ids, arm, max_new_tokens or cls.max_new_tokens, sampling)
+                sampling = [SamplingParams(cls.temperature, cls.top_p, seed=i * batch + j) for j in range(len(unit))]
+                if batch == 1:
+                    r = engine.generate(unit[0], arm, limit, sampling[0])
+                    rows, m = [r], r.metrics
+                else:
+                    out_batch = engine.generate_batch(unit, arm, limit, sampling)
+                    rows, m = out_batch.results, out_batch.metrics
                 s = stats[str(arm)]
-                s["tokens"] += r.metrics.new_tokens
-                s["seconds"] += r.metrics.total_s
-                s["drafted"] += r.metrics.drafted
-                s["accepted"] += r.metrics.accepted
-                s["rounds"] += r.metrics.rounds
+                s["tokens"] += m.new_tokens
+                s["seconds"] += m.total_s
+                s["drafted"] += m.drafted
+                s["accepted"] += m.accepted
+                s["rounds"] += sum(r.metrics.rounds for r in rows)
+                s["requests"] += len(rows)
                 if arm.is_off:
-                    loop_count += loops(r.tokens)
+                    loop_count += sum(loops(r.tokens) for r in rows)
         off_tps = stats["off"]["tokens"] / stats["off"]["seconds"]
         arms_out = {}
         for arm, s in stats.items():
             tps = s["tokens"] / s["seconds"]
             arms_out[arm] = {
                 "acceptance": round(s["accepted"] / s["drafted"], 4) if s["drafted"] else None,
-                "mean_accepted": round((s["tokens"] - len(prompts)) / s["rounds"], 3) if s["rounds"] else None,
+                "mean_accepted": round((s["tokens"] - s["requests"]) / s["rounds"], 3) if s["rounds"] else None,
                 "tokens_per_s": round(tps, 2),
                 "speedup_vs_off": round(tps / off_tps, 3),
             }
@@ -185,22 +201,21 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         speedup = arms_out[best]["speedup_vs_off"]
         progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
     return {"device": device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
-            "compile_s_total": _compile_total(compile_report),
-            "classes": out}
+            "batch": batch, "compile_s_total": _compile_total(compile_report), "classes": out}
 
 
 # ----- bench controller ----------------------------------------------------------------------
 class OraclePolicy(Policy):
-    """Hindsight: the ground-truth best arm of each class (not available online)."""
+    """Hindsight: the ground-truth best arm of each class at each load (not available online)."""
 
     name = "oracle"
 
     def __init__(self, arms: list[Arm], best: dict[str, Arm]) -> None:
         super().__init__([*arms, *best.values()])
-        self.best = best
+        self.best = best  # "class@load<bucket>" -> arm
 
     def choose(self, context: Context) -> Arm:
-        return self.best.get(context.request_class, OFF)
+        return self.best.get(context.key, self.best.get(Context(context.request_class).key, OFF))
 
 
 def _goodput(rows: list[dict]) -> float:
@@ -208,23 +223,37 @@ def _goodput(rows: list[dict]) -> float:
     return sum(r["tokens"] for r in rows) / seconds if seconds else 0.0
 
 
-def _run_stream(engine, requests: list[Request], controllers: dict[str, AutotuneController],
+def _cell(request_class: str, load: int) -> str:
+    return Context(request_class, load).key
+
+
+def _run_stream(engine, stream: list[list[Request]], controllers: dict[str, AutotuneController],
                 restart: dict | None = None, progress=print) -> dict[str, list[dict]]:
-    """Serve every request with every controller, rotating who goes first."""
+    """Serve every arrival (a request, or a burst served as one batch) with every controller,
+    rotating who goes first."""
     log = {name: [] for name in controllers}
     names = list(controllers)
-    for i, req in enumerate(requests):
+    for i, item in enumerate(stream):
         if restart and i == restart["at"]:
             for name in restart["names"]:
                 controllers[name] = restart["reopen"](name, controllers[name])
+        req = item[0]
         for name in _rotate(names, i):
-            r = controllers[name].generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
-                                           req.top_p, req.seed)
-            log[name].append({"class": req.request_class, "arm": str(r.arm), "tokens": r.metrics.new_tokens,
-                              "seconds": r.metrics.total_s + r.decision_s + r.learn_s,
-                              "decision_ms": r.decision_s * 1000})
+            ctl = controllers[name]
+            if len(item) == 1:
+                rs = [ctl.generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature, req.top_p,
+                                   req.seed)]
+                seconds = rs[0].metrics.total_s
+            else:
+                rs = ctl.generate_batch([r.prompt for r in item], req.request_class, req.max_new_tokens,
+                                        req.temperature, req.top_p, [r.seed for r in item])
+                seconds = max(r.metrics.total_s for r in rs)  # the batch's wall time
+            log[name].append({"class": req.request_class, "cell": _cell(req.request_class, len(item)),
+                              "arm": str(rs[0].arm), "tokens": sum(r.metrics.new_tokens for r in rs),
+                              "seconds": seconds + rs[0].decision_s + rs[0].learn_s,
+                              "decision_ms": rs[0].decision_s * 1000})
         if (i + 1) % 20 == 0:
-            progress(f"  {i + 1}/{len(requests)} requests")
+            progress(f"  {i + 1}/{len(stream)} arrivals")
     return log
 
 
@@ -233,26 +262,50 @@ def _summary(log: dict[str, list[dict]], warmup: float) -> dict:
     out = {}
     for name, rows in log.items():
         after = rows[start:]
-        per_class = defaultdict(list)
+        per_cell = defaultdict(list)
         for r in after:
-            per_class[r["class"]].append(r)
+            per_cell[r["cell"]].append(r)
         out[name] = {"goodput": round(_goodput(after), 2),
-                     "per_class": {c: round(_goodput(rs), 2) for c, rs in sorted(per_class.items())}}
+                     "per_class": {c: round(_goodput(rs), 2) for c, rs in sorted(per_cell.items())}}
     return out
 
 
-def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass], ground_truth: dict,
+def hindsight_arms(ground_truth: dict[int, dict], workload: Workload) -> tuple[dict[str, Arm], Arm]:
+    """The per-(class, load) oracle arms and the best single static arm for this workload.
+
+    `ground_truth` maps a batch size (1: requests alone) to `bench arms` output. The static arm
+    minimises the stream's expected time: each (class, load) cell weighs its share of arrivals
+    times the OFF seconds of one arrival there, divided by the arm's speedup in that cell.
+    """
+    shares = {1: 1.0 - workload.burst_share}
+    if workload.burst_share > 0:
+        if workload.burst_size not in ground_truth:
+            raise ValueError(f"the workload has bursts of {workload.burst_size} but the ground truth covers"
+                             f" batches of {sorted(ground_truth)} only: run `bench arms --batch {workload.burst_size}`")
+        shares[workload.burst_size] = workload.burst_share
+    best, weight = {}, {}
+    for size, share in shares.items():
+        for c, truth in ground_truth[size]["classes"].items():
+            if c in workload.weights:
+                best[_cell(c, size)] = Arm.parse(truth["best_arm"])
+                off_seconds = size / truth["arms"]["off"]["tokens_per_s"]  # per output token of each row
+                weight[(size, c)] = workload.weights[c] * share * off_seconds
+    candidates = set(ground_truth[1]["classes"][next(iter(workload.weights))]["arms"])
+    for size in shares:
+        for c in workload.weights:
+            candidates &= set(ground_truth[size]["classes"][c]["arms"])
+    static = min(sorted(candidates), key=lambda a: sum(
+        w / ground_truth[size]["classes"][c]["arms"][a]["speedup_vs_off"] for (size, c), w in weight.items()))
+    return best, Arm.parse(static)
+
+
+def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass], ground_truth: dict[int, dict],
                      workload: Workload, out_dir: Path, policies=("ucb", "thompson", "contextual"),
                      warmup: float = 0.2, drift: Workload | None = None, progress=print) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = default_arms(engine)
-    truth = ground_truth["classes"]
-    best = {c: Arm.parse(truth[c]["best_arm"]) for c in truth}
-    # Best single static arm in hindsight: highest mean speedup over the workload's classes.
-    weights = workload.weights
-    static = max((Arm.parse(a) for a in next(iter(truth.values()))["arms"]),
-                 key=lambda a: sum(w * truth[c]["arms"][str(a)]["speedup_vs_off"] for c, w in weights.items()))
+    best, static = hindsight_arms(ground_truth, workload)
     best_drafter = static.drafter or next(iter(engine.drafters))
 
     def controllers(tag: str, names) -> dict[str, AutotuneController]:
@@ -275,9 +328,12 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
             c.close()
             c.store.close()
 
-    progress(f"stationary stream: {workload.n_requests} requests; static best in hindsight {static}")
+    stream = workload.stream(classes)
+    bursts = sum(len(item) > 1 for item in stream)
+    progress(f"stationary stream: {len(stream)} arrivals ({bursts} bursts of {workload.burst_size});"
+             f" static best in hindsight {static}")
     main = controllers("main", [*policies, "static_best", "oracle", "off", "heuristic"])
-    log = _run_stream(engine, workload.requests(classes), main, progress=progress)
+    log = _run_stream(engine, stream, main, progress=progress)
     close(main)
     summary = _summary(log, warmup)
     lead = policies[0]
@@ -286,6 +342,8 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
     result = {
         "device": device_name(engine),
         "requests": workload.n_requests,
+        "bursts": bursts,
+        "burst_size": workload.burst_size if bursts else None,
         "warmup_fraction": warmup,
         "policy": lead,
         "static_best_arm": str(static),
@@ -294,6 +352,7 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
         "ratio_vs_oracle": round(ctl["goodput"] / oracle["goodput"], 3),
         "ratio_vs_off": round(ctl["goodput"] / off["goodput"], 3),
         "ratio_vs_heuristic": round(ctl["goodput"] / summary["heuristic"]["goodput"], 3),
+        "oracle_vs_best_static": round(oracle["goodput"] / summary["static_best"]["goodput"], 3),
         "worst_class_ratio_vs_off": round(min(ctl["per_class"][c] / off["per_class"][c] for c in off["per_class"]), 3),
         "regret_fraction": round(1 - ctl["goodput"] / oracle["goodput"], 3),
         "decision_overhead_ms_p99": round(decisions[int(0.99 * (len(decisions) - 1))], 4),
@@ -328,7 +387,7 @@ def _drift_and_restart(engine, classes, drift: Workload, controllers, close, lea
         return AutotuneController(engine, Store(url, label="restarted"), policy=make_policy(lead, old.policy.arms))
 
     half = drift.n_requests // 2
-    log = _run_stream(engine, drift.requests(classes), ctls,
+    log = _run_stream(engine, drift.stream(classes), ctls,
                       restart={"at": half, "names": [f"{lead}-restart"], "reopen": reopen}, progress=progress)
     close(ctls)
     size = max(5, drift.n_requests // 10)
@@ -354,14 +413,14 @@ def _plot(log, policy: str, arms_png: Path, regret_png: Path) -> None:
 
     rows = log[policy]
     arm_names = sorted({r["arm"] for r in rows}, key=lambda a: (a != "off", a))
-    classes = sorted({r["class"] for r in rows})
+    cells = sorted({r["cell"] for r in rows})
     fig, ax = plt.subplots(figsize=(10, 4))
-    for c in classes:
-        pts = [(i, arm_names.index(r["arm"])) for i, r in enumerate(rows) if r["class"] == c]
+    for c in cells:
+        pts = [(i, arm_names.index(r["arm"])) for i, r in enumerate(rows) if r["cell"] == c]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=12, label=c)
     ax.set_yticks(range(len(arm_names)), arm_names)
     ax.set_xlabel("request")
-    ax.set_title(f"arm chosen by {policy}, per class")
+    ax.set_title(f"arm chosen by {policy}, per class and load")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(arms_png, dpi=100)

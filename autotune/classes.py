@@ -175,12 +175,30 @@ class Workload:
     """A stream of requests drawn from classes with weights; `drift` swaps weights mid-stream.
 
     drift: ((fraction, weights), ...): from that fraction of the stream on, use those weights.
+    burst_share: the share of arrivals that are a burst of `burst_size` requests of one class
+    arriving together (served as one batch: the load case); the rest arrive alone.
     """
 
     weights: dict[str, float]
     n_requests: int = 200
     seed: int = 0
     drift: tuple[tuple[float, dict[str, float]], ...] = field(default_factory=tuple)
+    burst_share: float = 0.0
+    burst_size: int = 16
+
+    def stream(self, classes: dict[str, RequestClass]) -> list[list[Request]]:
+        """Arrivals in order: each a list of one request, or of `burst_size` for a burst."""
+        rng = random.Random(self.seed + 1_000_003)
+        out = []
+        for first in self.requests(classes):
+            if self.burst_share > 0 and rng.random() < self.burst_share:
+                cls = classes[first.request_class]
+                out.append([first] + [Request(cls.name, prompt, cls.temperature, cls.top_p, cls.max_new_tokens,
+                                              seed=rng.randrange(2**31))
+                                      for prompt in rng.sample(cls.prompts, self.burst_size - 1)])
+            else:
+                out.append([first])
+        return out
 
     def requests(self, classes: dict[str, RequestClass]) -> list[Request]:
         for name in {*self.weights, *(n for _, w in self.drift for n in w)}:

@@ -134,27 +134,32 @@ def cmd_bench(args) -> None:
         ks = (2, 4) if args.quick else bench.BENCH_KS
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
         result = bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
-                                  32 if args.quick else None)
+                                  32 if args.quick else None, batch=args.batch)
         _print_arms(result)
     else:
         from autotune.classes import Workload
 
         classes = _classes(args)
-        if args.arms_json:
-            truth = json.loads(Path(args.arms_json).read_text())
-        else:
-            print("measuring ground truth per class first (bench arms)")
-            arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in (1, 2, 3, 4, 6, 8)]
-            truth = bench.bench_arms(engine, classes, arms, 2 if args.quick else args.prompts)
+        truth = {}  # batch size -> ground truth
+        for path in args.arms_json or []:
+            measured = json.loads(Path(path).read_text())
+            truth[measured.get("batch", 1)] = measured
+        bursts = args.burst_share > 0
+        for size in sorted({1, args.burst_size} if bursts else {1}):
+            if size not in truth:
+                print(f"measuring ground truth per class first (bench arms --batch {size})")
+                arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in (1, 2, 3, 4, 6, 8)]
+                truth[size] = bench.bench_arms(engine, classes, arms, 2 if args.quick else args.prompts, batch=size)
         names = list(classes)
         weights = {n: 1.0 for n in names}
         n = 40 if args.quick else args.requests
+        load = {"burst_share": args.burst_share, "burst_size": args.burst_size}
         flipped = {n_: (3.0 if i >= len(names) // 2 else 0.3) for i, n_ in enumerate(names)}
         unflipped = {n_: (0.3 if i >= len(names) // 2 else 3.0) for i, n_ in enumerate(names)}
-        drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),))
-        result = bench.bench_controller(engine, classes, truth, Workload(weights, n_requests=n, seed=0),
+        drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),), **load)
+        result = bench.bench_controller(engine, classes, truth, Workload(weights, n_requests=n, seed=0, **load),
                                         Path(args.out), drift=None if args.no_drift else drift)
-        result["ground_truth"] = truth
+        result["ground_truth"] = {str(size): t for size, t in truth.items()}
         print(json.dumps({k: v for k, v in result.items() if k not in ("goodput", "ground_truth")}, indent=2))
         print(f"plots: {args.out}/controller_arms.png, {args.out}/controller_regret.png")
     _emit(result, args.json)
@@ -224,7 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
     p.add_argument("--requests", type=int, default=160, help="bench controller: stream length")
-    p.add_argument("--arms-json", help="bench controller: ground truth from `bench arms --json`")
+    p.add_argument("--batch", type=int, default=1,
+                   help="bench arms: serve each class's first N prompts together as one batch (load N)")
+    p.add_argument("--arms-json", action="append",
+                   help="bench controller: ground truth from `bench arms --json` (once per batch size)")
+    p.add_argument("--burst-share", type=float, default=0.0,
+                   help="bench controller: share of arrivals that are a burst served as one batch")
+    p.add_argument("--burst-size", type=int, default=16, help="bench controller: requests per burst")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from autotune.classifier import RequestClassifier
 from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
-from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
-from policies import Context, Outcome, Policy, PolicyError, make_policy
+from engine import MAX_K, OFF, Arm, GenerationMetrics, InvalidRequestError, SamplingParams, SpeculativeEngine
+from policies import Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 BASELINE_POLICY = "__off_baseline__"
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
@@ -83,7 +83,7 @@ class AutotuneController:
         # `counterfactual_requests` of each key: while the policy is still learning.
         self.counterfactual_requests = counterfactual_requests
         self.counterfactual_weight = counterfactual_weight
-        self.costs = CostModel()
+        self.costs: dict[str, CostModel] = {}  # load bucket -> measured draft and verify costs
         self._served: dict[str, int] = {}  # key -> requests served
         self.baselines: dict[str, list[float]] = {}  # key -> OFF decode [steps, seconds], discounted
         self.gpu = GpuMonitor()
@@ -128,12 +128,38 @@ class AutotuneController:
         seed: int | None = None,
     ) -> ControlledResult:
         """Serve one request on the arm the policy picks for its class; learn from it."""
-        sampling = SamplingParams(temperature, top_p, seed)
-        ids = self.engine.encode(prompt).tolist()
-        features = request_features(ids, max_new_tokens, temperature, top_p)
+        return self._serve([prompt], request_class, max_new_tokens, temperature, top_p, [seed])[0]
+
+    def generate_batch(
+        self,
+        prompts: list[str | list[int]],
+        request_class: str | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seeds: list[int | None] | None = None,
+    ) -> list[ControlledResult]:
+        """Serve requests of one class together, one forward pass per round, on one arm.
+
+        The batch is the load: the policy chooses for (class, load bucket of the batch size plus
+        any other request in flight), since extra verify tokens cost more in a large batch. K
+        stays constant inside a batch (a policy's K schedule applies to single requests only).
+        Every result carries the batch's goodput and reward, which is what the policy learned from.
+        """
+        if not prompts:
+            raise InvalidRequestError("the batch is empty")
+        seeds = seeds if seeds is not None else [None] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise InvalidRequestError("seeds must have one entry per prompt")
+        return self._serve(prompts, request_class, max_new_tokens, temperature, top_p, seeds)
+
+    def _serve(self, prompts, request_class, max_new_tokens, temperature, top_p, seeds) -> list[ControlledResult]:
+        sampling = [SamplingParams(temperature, top_p, seed) for seed in seeds]
+        ids = [self.engine.encode(p).tolist() for p in prompts]
+        features = request_features(ids[0], max_new_tokens, temperature, top_p)  # the first stands for a batch
         classified = request_class is None
         with self._load_lock:
-            self._in_flight += 1
+            self._in_flight += len(ids)
             load = self._in_flight
         try:
             started = time.perf_counter()
@@ -144,54 +170,67 @@ class AutotuneController:
                 arm = self.policy.choose(context)
                 if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
                     arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
-                schedule = self.policy.schedule(context, arm)
+                schedule = self.policy.schedule(context, arm) if len(ids) == 1 else None
             decision_s = time.perf_counter() - started
             self._check_arm(arm)
             with self._engine_lock, self.gpu.measure() as gpu:
-                result = self.engine.generate(ids, arm, max_new_tokens, sampling, schedule)
-            goodput = result.metrics.tokens_per_s
-            reward = self._reward(context.key, arm, result.metrics)
+                if len(ids) == 1:
+                    results = [self.engine.generate(ids[0], arm, max_new_tokens, sampling[0], schedule)]
+                    served = results[0].metrics
+                else:
+                    batch = self.engine.generate_batch(ids, arm, max_new_tokens, sampling)
+                    results, served = batch.results, batch.metrics
+            goodput = served.tokens_per_s
+            reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1)
             learn_started = time.perf_counter()
-            siblings = self._other_arms(context.key, arm, reward, schedule, result, ids, max_new_tokens, sampling)
+            siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, max_new_tokens,
+                                        sampling[0])
             learn_s = time.perf_counter() - learn_started
             with self._policy_lock:
-                self.policy.update(context, arm, Outcome(goodput, reward, result.metrics.acceptance,
-                                                         result.metrics.new_tokens, siblings))
+                self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
+                                                         siblings))
                 self._dirty.add(context.key)
                 self._updates += 1
                 if self.store is not None and self._updates % self.save_every == 0:
                     self._save_locked()
-            if self.store is not None:
-                self._record(result, request_class, classified, load, goodput, reward, gpu, features, sampling)
-            return ControlledResult(
-                result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
-                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back,
-            )
+            out = []
+            for result, sp in zip(results, sampling):
+                if self.store is not None:
+                    self._record(result, request_class, classified, load, goodput, reward, gpu, features, sp)
+                out.append(ControlledResult(
+                    result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
+                    learn_s, load, gpu.util, gpu.mem_mb, result.fell_back,
+                ))
+            return out
         finally:
             with self._load_lock:
-                self._in_flight -= 1
+                self._in_flight -= len(ids)
 
-    def _other_arms(self, key, arm, reward, schedule, result, ids, max_new_tokens, sampling) -> dict:
+    def _other_arms(self, context, arm, reward, schedule, results, served, ids, max_new_tokens, sampling) -> dict:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
-        if schedule is not None or result.fell_back or not self.policy.learns:
+        if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
             return {}
+        key = context.key
         with self._policy_lock:
-            self.costs.observe(arm, result.metrics)
-            served = self._served[key] = self._served.get(key, 0) + 1
+            costs = self.costs.setdefault(load_bucket(context.load), CostModel())
+            costs.observe(arm, served)
+            count = self._served[key] = self._served.get(key, 0) + len(results)  # requests, a batch counts each
             steps, seconds = self.baselines.get(key, (0.0, 0.0))
-        if sampling.greedy and served <= self.counterfactual_requests and steps > 0:
+        if sampling.greedy and count <= self.counterfactual_requests and steps > 0:
+            requests = [(p, r.tokens, max_new_tokens) for p, r in zip(ids, results)]
             with self._engine_lock:
-                estimates = arm_rewards(self.engine, self.policy.arms, self.costs, ids, result.tokens,
-                                        max_new_tokens, result.metrics.prefill_s, seconds / steps)
+                estimates = arm_rewards(self.engine, self.policy.arms, costs, requests, served.prefill_s,
+                                        seconds / steps)
             estimates.pop(str(arm), None)  # the arm played has its measured reward
             return {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
-        return sibling_rewards(result.metrics, arm, reward, self._ks.get(arm.drafter, ()))
+        return sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()))
 
-    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics) -> float:
+    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics, off_steps: int | None = None) -> float:
         """Speedup over OFF on this very request: (prefill + output steps x OFF step cost) / time taken.
 
         The OFF step cost is a rate of sums (discounted OFF decode seconds / steps), so one odd
-        request does not move it much; an OFF request itself scores about 1.0.
+        request does not move it much; an OFF request itself scores about 1.0. A batch's OFF
+        steps are its longest output's (`off_steps`), each step decoding every row.
         """
         with self._policy_lock:
             base = self.baselines.setdefault(key, [0.0, 0.0])  # OFF decode [steps, seconds], discounted
@@ -200,7 +239,9 @@ class AutotuneController:
                 base[1] = base[1] * self.baseline_discount + metrics.verify_s
             if base[0] <= 0 or metrics.total_s <= 0:
                 return 1.0
-            off_s = metrics.prefill_s + max(metrics.new_tokens - 1, 0) * base[1] / base[0]
+            if off_steps is None:
+                off_steps = metrics.new_tokens - 1
+            off_s = metrics.prefill_s + max(off_steps, 0) * base[1] / base[0]
             return off_s / metrics.total_s
 
     def _record(self, result, request_class, classified, load, goodput, reward, gpu, features, sampling) -> None:

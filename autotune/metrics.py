@@ -41,13 +41,13 @@ def sibling_rewards(metrics, arm, reward: float, ks, exact_weight: float = 0.5,
     plus one verify. For K' < K every S_i is measured; for K' > K the last conditional
     acceptance is extended geometrically, so those estimates get less weight.
     """
-    if arm.is_off or not metrics.drafted or not metrics.rounds:
+    if arm.is_off or not metrics.draft_steps or not metrics.rounds:
         return {}
     survival = metrics.acceptance_per_position[: arm.k]
     if len(survival) < arm.k or not survival[0]:
         return {}
     step = survival[-1] / survival[-2] if len(survival) > 1 and survival[-2] > 0 else survival[0]
-    draft_cost = metrics.draft_s / metrics.drafted
+    draft_cost = metrics.draft_s / metrics.draft_steps
     verify_cost = metrics.verify_s / metrics.rounds
 
     def rate(k: int) -> float:

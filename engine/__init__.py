@@ -2,13 +2,13 @@
 
 from engine.arms import MAX_K, MIN_K, OFF, Arm
 from engine.drafters import Drafter, ModelDrafter, NGramDrafter
-from engine.engine import GenerationMetrics, GenerationResult, SpeculativeEngine
+from engine.engine import BatchResult, GenerationMetrics, GenerationResult, SpeculativeEngine
 from engine.errors import EngineError, IncompatibleDrafterError, InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.schedule import ConstantK, HeuristicK, KSchedule
 
 __all__ = [
-    "Arm", "OFF", "MIN_K", "MAX_K", "Drafter", "ModelDrafter", "NGramDrafter",
+    "Arm", "OFF", "BatchResult", "MIN_K", "MAX_K", "Drafter", "ModelDrafter", "NGramDrafter",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",
     "HeuristicK", "KSchedule",

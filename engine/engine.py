@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.arms import MAX_K, OFF, Arm
-from engine.drafters import Drafter, ModelDrafter
+from engine.batch import Row, decode_batch
+from engine.drafters import Drafter, ModelDrafter, NGramDrafter
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
@@ -30,12 +31,21 @@ class GenerationMetrics:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    draft_steps: int = 0  # drafter calls; a batch drafts one token per row per step
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    verify_by_width: dict[int, list[float]] = field(default_factory=dict)  # tokens per row -> [seconds, rounds]
     total_s: float = 0.0
+
+    def add_verify(self, width: int, seconds: float) -> None:
+        """A verify round of `width` tokens per row took `seconds`."""
+        self.verify_s += seconds
+        row = self.verify_by_width.setdefault(width, [0.0, 0])
+        row[0] += seconds
+        row[1] += 1
 
     @property
     def acceptance(self) -> float | None:
@@ -64,6 +74,23 @@ class GenerationMetrics:
             tokens_per_s=self.tokens_per_s,
         )
         return out
+
+
+@dataclass
+class BatchResult:
+    """The requests of a batch, in order, and the batch's own metrics (rounds, draft steps, times)."""
+
+    results: list[GenerationResult]
+    metrics: GenerationMetrics
+
+    def __iter__(self):
+        return iter(self.results)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, i: int) -> GenerationResult:
+        return self.results[i]
 
 
 @dataclass
@@ -299,6 +326,7 @@ class SpeculativeEngine:
                     break
             if draft:
                 m.drafted += len(draft)
+                m.draft_steps += len(draft)
                 m.accepted += n
                 for i in range(len(draft)):
                     m.drafted_per_position[i] += 1
@@ -309,7 +337,7 @@ class SpeculativeEngine:
             m.rounds += 1
             before = now
             now = self._sync()
-            m.verify_s += now - before
+            m.add_verify(step.shape[1], now - before)
 
         used = max((i + 1 for i, d in enumerate(m.drafted_per_position) if d), default=0)
         m.drafted_per_position = m.drafted_per_position[:used]
@@ -320,6 +348,65 @@ class SpeculativeEngine:
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return result
+
+    @torch.inference_mode()
+    def generate_batch(
+        self,
+        prompts: list[str | list[int] | torch.Tensor],
+        arm: Arm | str = OFF,
+        max_new_tokens: int | list[int] = 64,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> BatchResult:
+        """Decode several requests together, in one forward pass per round, on one arm.
+
+        Each request's output is the one `generate` gives it alone (see engine/batch.py). The
+        time fields of each result are the batch's: prefill, draft and verify time of the rounds
+        the request took part in, and total_s when it finished; the batch's own metrics count
+        its rounds, drafter steps and wall time.
+        """
+        arm = Arm.parse(arm) if isinstance(arm, str) else arm
+        if not prompts:
+            raise InvalidRequestError("the batch is empty")
+        count = len(prompts)
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * count
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * count
+        if len(limits) != count or len(params) != count:
+            raise InvalidRequestError("max_new_tokens and sampling lists must have one entry per prompt")
+        rows = []
+        drafter = None
+        for prompt, limit, sp in zip(prompts, limits, params):
+            ids = self.encode(prompt)
+            drafter = self._check_request(ids.numel(), arm, limit)
+            generator = None
+            if not sp.greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(sp.seed if sp.seed is not None else torch.seed())
+            rows.append(Row(ids.tolist(), ids.numel(), limit, sp, generator))
+        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter):
+            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
+                                      " batches take model and n-gram drafters")
+        metrics = [GenerationMetrics(prompt_tokens=r.prompt_len, drafted_per_position=[0] * MAX_K,
+                                     accepted_per_position=[0] * MAX_K) for r in rows]
+        batch = GenerationMetrics(prompt_tokens=sum(r.prompt_len for r in rows))
+        fell_back, error = decode_batch(self.target, drafter, rows, arm.k, self.eos_token_id, metrics, batch,
+                                        self._sync)
+        results = []
+        for r, m in zip(rows, metrics):
+            used = max((i + 1 for i, d in enumerate(m.drafted_per_position) if d), default=0)
+            m.drafted_per_position = m.drafted_per_position[:used]
+            m.accepted_per_position = m.accepted_per_position[:used]
+            tokens = r.tokens[r.prompt_len:]
+            m.new_tokens = len(tokens)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+            results.append(GenerationResult(tokens, arm, m, text, fell_back, error))
+        batch.drafted = sum(m.drafted for m in metrics)
+        batch.accepted = sum(m.accepted for m in metrics)
+        used = max(len(m.drafted_per_position) for m in metrics)
+        batch.drafted_per_position = [sum(m.drafted_per_position[i] for m in metrics if i < len(m.drafted_per_position))
+                                      for i in range(used)]
+        batch.accepted_per_position = [sum(m.accepted_per_position[i] for m in metrics
+                                           if i < len(m.accepted_per_position)) for i in range(used)]
+        return BatchResult(results, batch)
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:

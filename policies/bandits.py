@@ -5,8 +5,8 @@ classes are comparable and can be pooled into priors for a new class. Every upda
 discounts all arms of its key (gamma), so old evidence fades and the policy follows
 drift; an arm that went unpulled grows uncertain and gets probed again. Classes share what
 they learn: every decision sees each arm's statistics shrunk toward that arm's mean over the
-other keys (a few pseudo-observations), so an arm that is slow everywhere is not explored
-from scratch in every class, while a class's own data soon outweighs the others'. The OFF guard
+other classes at the same load (a few pseudo-observations), so an arm that is slow everywhere
+is not explored from scratch in every class, while a class's own data soon outweighs the others'. The OFF guard
 sends a class to OFF once its best speculative arm is confidently slower than OFF, and
 still probes rarely so the class can come back.
 """
@@ -20,6 +20,11 @@ from engine import OFF, Arm
 from policies.base import Context, Outcome, Policy
 
 PRIOR_VARIANCE = 0.25  # reward variance assumed before an arm has data (reward ~ 1 +- 0.5)
+
+
+def _load_of(key: str) -> str:
+    """The load bucket part of a key ("code@load5+" -> "load5+"; "" for a key without one)."""
+    return key.partition("@")[2]
 
 
 class ArmTable:
@@ -116,8 +121,11 @@ class BanditPolicy(Policy):
         if explicit:
             source, variance = explicit, PRIOR_VARIANCE
         else:
+            # Costs follow the load, acceptance the class: other classes at this load first.
+            load = _load_of(context.key)
+            same_load = [t for k, t in self.tables.items() if _load_of(k) == load]
             same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
-            tables = same_class or list(self.tables.values())
+            tables = same_load or same_class or list(self.tables.values())
             source = self._pooled(tables)
             variance = sum(t.pooled_variance() for t in tables) / len(tables) if tables else PRIOR_VARIANCE
         for arm, (mean, weight) in source.items():
@@ -140,8 +148,10 @@ class BanditPolicy(Policy):
         return self.tables[context.key]
 
     def _with_shared_prior(self, key: str, table: ArmTable) -> ArmTable:
-        """A copy of `table` plus `share_weight` pseudo-observations of each arm's mean elsewhere."""
-        others = [t for k, t in self.tables.items() if k != key]
+        """A copy of `table` plus `share_weight` pseudo-observations of each arm's mean in the other
+        classes at the same load (under load the extra verify tokens cost more, so load-1 means
+        would mislead)."""
+        others = [t for k, t in self.tables.items() if k != key and _load_of(k) == _load_of(key)]
         if not others or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)

@@ -43,6 +43,26 @@ def test_serves_learns_and_records_every_request(engine, target, tmp_path):
     assert all(r["goodput"] > 0 and r["features"]["prompt_tokens"] > 0 for r in rows)
 
 
+def test_a_batch_is_served_learned_and_recorded_under_its_load(engine, target, tmp_path):
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
+    with Store(url) as store, AutotuneController(engine, store, policy="ucb", arms=arms,
+                                                 min_baseline_steps=8) as ctl:
+        batches = [ctl.generate_batch(PROMPTS[i:i + 6], "code", max_new_tokens=10) for i in (0, 6, 0, 6)]
+        alone = ctl.generate(PROMPTS[0], "code", max_new_tokens=10)
+        ctl.close()
+        rows = store.observations()
+    for i, batch in zip((0, 6, 0, 6), batches):
+        assert [r.tokens for r in batch] == [hf_greedy(target, p, 10) for p in PROMPTS[i:i + 6]]
+        assert {r.load for r in batch} == {6}
+    assert str(batches[0][0].arm) == "off"  # the OFF baseline at this load comes first
+    assert any(str(b[0].arm) != "off" for b in batches[1:])  # then it learns, with estimates for every arm
+    state = ctl.policy.state_dict()
+    assert "code@load5+" in state and "code@load1" in state  # learned apart: costs differ by load
+    assert set(ctl.costs) == {"5+", "1"} and alone.load == 1
+    assert len(rows) == 25 and sorted({r["load"] for r in rows}) == [1, 6]
+
+
 def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
     url = f"sqlite:///{tmp_path / 'r.db'}"
     arms = [OFF, Arm("small", 2), Arm("ngram", 3)]

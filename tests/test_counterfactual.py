@@ -3,7 +3,7 @@
 import pytest
 from test_engine import prompts
 
-from autotune.counterfactual import CostModel, arm_rewards, replay_arm
+from autotune.counterfactual import CostModel, arm_rewards, batch_rounds, replay_arm
 from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
 
 
@@ -22,6 +22,16 @@ def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine):
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
 
 
+def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):
+    batch = prompts(6, seed=8)
+    limits = [12 + 3 * i for i in range(6)]
+    outputs = [r.tokens for r in engine.generate_batch(batch, OFF, limits)]
+    for arm in (Arm("small", 3), Arm("ngram", 4)):
+        served = engine.generate_batch(batch, arm, limits).metrics
+        rounds = batch_rounds([replay_arm(engine, arm, p, o, n) for p, o, n in zip(batch, outputs, limits)])
+        assert (len(rounds), sum(rounds)) == (served.rounds, served.draft_steps), arm
+
+
 def test_estimated_rewards_follow_acceptance_and_cost():
     costs = CostModel()
     assert costs.verify_cost(3) is None  # nothing measured yet
@@ -38,7 +48,7 @@ def test_arms_whose_drafter_never_ran_get_no_estimate(engine):
     costs.observe(Arm("small", 2), result.metrics)
     costs.observe(OFF, engine.generate(prompt, OFF, max_new_tokens=24).metrics)
     arms = [OFF, Arm("small", 1), Arm("small", 4), Arm("ngram", 3)]
-    estimates = arm_rewards(engine, arms, costs, prompt, result.tokens, 24, result.metrics.prefill_s,
+    estimates = arm_rewards(engine, arms, costs, [(prompt, result.tokens, 24)], result.metrics.prefill_s,
                             costs.verify_cost(1))
     assert set(estimates) == {"off", "small:1", "small:4"}
     assert estimates["off"] == pytest.approx(1.0)

@@ -94,6 +94,15 @@ def test_learns_a_different_best_arm_under_load():
     assert Counter(simulate(policy, means_with_best("small:1"), 50, context=busy))["small:1"] >= 40
 
 
+def test_a_class_new_at_a_load_starts_from_other_classes_at_that_load():
+    policy = make_policy("ucb", ARMS)
+    simulate(policy, means_with_best("small:8"), 200, context=Context("code", load=1))
+    simulate(policy, means_with_best("small:1"), 200, context=Context("docs", load=8))
+    chosen = simulate(policy, means_with_best("small:1"), 12, context=Context("code", load=8))
+    assert chosen[0] == "off"
+    assert chosen[1:4] == ["small:1"] * 3  # from docs at load 8, not code@load1's small:8
+
+
 def test_contextual_policy_uses_features_for_a_class_it_has_not_seen():
     policy = make_policy("contextual", ARMS, min_class_obs=50)
     rng = random.Random(0)
@@ -124,8 +133,8 @@ def test_sibling_estimates_follow_the_speculation_model():
     from engine import GenerationMetrics
 
     # 100 rounds at K=4: drafts cost 1 ms each, a verify 10 ms; survival 0.8, 0.6, 0.4, 0.2.
-    m = GenerationMetrics(new_tokens=301, rounds=100, drafted=400, accepted=200, draft_s=0.4, verify_s=1.0,
-                          drafted_per_position=[100] * 4, accepted_per_position=[80, 60, 40, 20])
+    m = GenerationMetrics(new_tokens=301, rounds=100, drafted=400, accepted=200, draft_steps=400, draft_s=0.4,
+                          verify_s=1.0, drafted_per_position=[100] * 4, accepted_per_position=[80, 60, 40, 20])
     est = sibling_rewards(m, Arm("small", 4), 2.0, ks=[1, 2, 4, 8])
     rate = {1: 1.8 / 0.011, 2: 2.4 / 0.012, 4: 3.0 / 0.014, 8: (3.0 + 0.1 + 0.05 + 0.025 + 0.0125) / 0.018}
     assert set(est) == {"small:1", "small:2", "small:8"}

@@ -122,14 +122,22 @@ def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classe
     from autotune.bench import bench_arms, bench_controller
 
     engine, _ = small_store
-    truth = bench_arms(engine, classes, ARMS, prompts_per_class=2, progress=lambda *_: None)
-    for cls in truth["classes"].values():
-        assert cls["arms"]["off"]["speedup_vs_off"] == 1.0
-        assert cls["best_arm"] in cls["arms"]
-    stream = Workload({"rep": 1, "mixed": 1}, n_requests=10)
-    drift = Workload({"rep": 1, "mixed": 0.1}, n_requests=10, seed=1, drift=((0.5, {"rep": 0.1, "mixed": 1}),))
+    truth = {size: bench_arms(engine, classes, ARMS, prompts_per_class=2, batch=size, progress=lambda *_: None)
+             for size in (1, 4)}
+    for measured in truth.values():
+        for cls in measured["classes"].values():
+            assert cls["arms"]["off"]["speedup_vs_off"] == 1.0
+            assert cls["best_arm"] in cls["arms"]
+    load = {"burst_share": 0.3, "burst_size": 4}
+    stream = Workload({"rep": 1, "mixed": 1}, n_requests=10, **load)
+    drift = Workload({"rep": 1, "mixed": 0.1}, n_requests=10, seed=1, drift=((0.5, {"rep": 0.1, "mixed": 1}),),
+                     **load)
+    with pytest.raises(ValueError, match="bench arms --batch 4"):
+        bench_controller(engine, classes, {1: truth[1]}, stream, tmp_path, progress=lambda *_: None)
     result = bench_controller(engine, classes, truth, stream, tmp_path, policies=("thompson",), drift=drift,
                               progress=lambda *_: None)
+    assert result["bursts"] > 0
+    assert set(result["oracle_arms"]) == {"rep@load1", "mixed@load1", "rep@load2-4", "mixed@load2-4"}
     for key in ("ratio_vs_best_static", "ratio_vs_oracle", "ratio_vs_off", "worst_class_ratio_vs_off",
                 "decision_overhead_ms_p99"):
         assert isinstance(result[key], float) and result[key] > 0, key
