@@ -272,10 +272,7 @@ class SpeculativeEngine:
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
         drafter = self._check_request(ids.numel(), arm, max_new_tokens)
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        generator = self._generator(sampling)
 
         m = GenerationMetrics(prompt_tokens=ids.numel())
         m.drafted_per_position = [0] * MAX_K
@@ -377,11 +374,7 @@ class SpeculativeEngine:
         for prompt, limit, sp in zip(prompts, limits, params):
             ids = self.encode(prompt)
             drafter = self._check_request(ids.numel(), arm, limit)
-            generator = None
-            if not sp.greedy:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(sp.seed if sp.seed is not None else torch.seed())
-            rows.append(Row(ids.tolist(), ids.numel(), limit, sp, generator))
+            rows.append(Row(ids.tolist(), ids.numel(), limit, sp, self._generator(sp)))
         if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter):
             raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
                                       " batches take model and n-gram drafters")
@@ -407,6 +400,14 @@ class SpeculativeEngine:
         batch.accepted_per_position = [sum(m.accepted_per_position[i] for m in metrics
                                            if i < len(m.accepted_per_position)) for i in range(used)]
         return BatchResult(results, batch)
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+        """A sampled request's own random stream (seeded when it gives a seed); None for greedy."""
+        if sampling.greedy:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        return generator
 
     @staticmethod
     def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
