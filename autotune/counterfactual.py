@@ -64,54 +64,28 @@ class CostModel:
         return max(mean_v + slope * (tokens - mean_t), min(vs))
 
 
-def model_runs(drafter: ModelDrafter, sequences: list[list[int]], starts: list[int]) -> list[list[int]]:
-    """For each sequence and position t >= its start: how many drafter predictions in a row match
-    sequence[t:]. One teacher-forced forward for all sequences, right-padded (a causal model's
-    predictions at a position never see the padding after it); the output layer runs only on the
-    positions whose predictions are compared (a batch's prompts are most of its tokens)."""
-    width = max(len(s) for s in sequences)
-    device = drafter.model.device
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences], device=device)
-    span = max(len(s) - t for s, t in zip(sequences, starts))  # positions t-1 .. len-2 predict t .. len-1
-    rows = torch.arange(len(sequences), device=device)[:, None]
-    cols = (torch.tensor(starts, device=device)[:, None] - 1 + torch.arange(span, device=device)).clamp(max=width - 1)
+def model_runs(drafter: ModelDrafter, sequence: list[int], start: int) -> list[int]:
+    """For each position t >= start: how many drafter predictions in a row match sequence[t:]."""
+    ids = torch.tensor([sequence], device=drafter.model.device)
     with torch.inference_mode():
-        hidden = drafter.model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
-        predicted = drafter.model.get_output_embeddings()(hidden[rows, cols]).argmax(-1).tolist()
-    out = []
-    for sequence, start, row in zip(sequences, starts, predicted):
-        runs = [0] * (len(sequence) - start + 1)
-        for j in range(len(sequence) - start - 1, -1, -1):  # row[j] predicts sequence[start + j]
-            runs[j] = runs[j + 1] + 1 if row[j] == sequence[start + j] else 0
-        out.append(runs[:-1])
-    return out
+        logits = drafter.model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0]
+    predicted = logits[:-1].argmax(-1).tolist()  # row j predicts sequence[start + j]
+    runs = [0] * (len(sequence) - start + 1)
+    for j in range(len(sequence) - start - 1, -1, -1):
+        runs[j] = runs[j + 1] + 1 if predicted[j] == sequence[start + j] else 0
+    return runs[:-1]
 
 
 def ngram_runs(drafter: NGramDrafter, sequence: list[int], start: int, k: int) -> tuple[list[int], list[int]]:
-    """For each position t >= start: tokens proposed (up to k) and how many of them match.
-
-    What `drafter.propose(sequence[:t], k)` would return at every t, in one pass: for each n,
-    the latest start of every n-gram that ends before the current tail's last token.
-    """
-    latest: dict[int, dict[tuple, int]] = {n: {} for n in range(drafter.min_ngram, drafter.max_ngram + 1)}
+    """For each position t >= start: tokens proposed (up to k) and how many of them match."""
     proposed, runs = [], []
-    for end in range(1, len(sequence)):
-        for n, table in latest.items():
-            if end - n - 1 >= 0:  # the n-gram starting at end-n-1 is now an earlier occurrence
-                table[tuple(sequence[end - n - 1:end - 1])] = end - n - 1
-        if end < start:
-            continue
-        draft = []
-        for n in range(min(drafter.max_ngram, end - 1), drafter.min_ngram - 1, -1):
-            found = latest[n].get(tuple(sequence[end - n:end]))
-            if found is not None:
-                draft = sequence[found + n:min(found + n + k, end)]
-                break
-        n_ok = 0
-        while n_ok < len(draft) and end + n_ok < len(sequence) and draft[n_ok] == sequence[end + n_ok]:
-            n_ok += 1
+    for t in range(start, len(sequence)):
+        draft, _ = drafter.propose(sequence[:t], k, None, None)
+        n = 0
+        while n < len(draft) and t + n < len(sequence) and draft[n] == sequence[t + n]:
+            n += 1
         proposed.append(len(draft))
-        runs.append(n_ok)
+        runs.append(n)
     return proposed, runs
 
 
@@ -138,23 +112,18 @@ def batch_rounds(per_row: list[list[int]]) -> list[int]:
     return [max(r[j] for r in per_row if j < len(r)) for j in range(max(map(len, per_row)))]
 
 
-def drafter_runs(drafter, sequences: list[list[int]], starts: list[int],
-                 k: int) -> list[tuple[list[int], list[int] | None]]:
-    """(runs, tokens proposed) from every position of each sequence, for a model or n-gram
-    drafter (proposed None: always k)."""
+def drafter_runs(drafter, sequence: list[int], start: int, k: int) -> tuple[list[int], list[int] | None]:
+    """(runs, tokens proposed) from every position for a model or n-gram drafter (proposed None: always k)."""
     if isinstance(drafter, NGramDrafter):
-        out = []
-        for sequence, start in zip(sequences, starts):
-            proposed, runs = ngram_runs(drafter, sequence, start, k)
-            out.append((runs, proposed))
-        return out
-    return [(runs, None) for runs in model_runs(drafter, sequences, starts)]
+        proposed, runs = ngram_runs(drafter, sequence, start, k)
+        return runs, proposed
+    return model_runs(drafter, sequence, start), None
 
 
 def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int],
                max_new_tokens: int) -> list[int]:
     """Tokens drafted per round had `arm` served this greedy request (one entry per round)."""
-    [(runs, proposed)] = drafter_runs(engine.drafters[arm.drafter], [prompt + output], [len(prompt) + 1], arm.k)
+    runs, proposed = drafter_runs(engine.drafters[arm.drafter], prompt + output, len(prompt) + 1, arm.k)
     return replay(runs, proposed, arm.k, max_new_tokens)
 
 
@@ -179,7 +148,8 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
-    run_table = {name: drafter_runs(engine.drafters[name], sequences, starts, k) for name, k in longest.items()}
+    run_table = {name: [drafter_runs(engine.drafters[name], sequence, start, k)
+                        for sequence, start in zip(sequences, starts)] for name, k in longest.items()}
     estimates = {}
     for arm in known:
         if arm.is_off:

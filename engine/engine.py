@@ -47,6 +47,12 @@ class GenerationMetrics:
         row[0] += seconds
         row[1] += 1
 
+    def trim_positions(self) -> None:
+        """Drop the per-position counts beyond the last position ever drafted."""
+        used = max((i + 1 for i, d in enumerate(self.drafted_per_position) if d), default=0)
+        self.drafted_per_position = self.drafted_per_position[:used]
+        self.accepted_per_position = self.accepted_per_position[:used]
+
     @property
     def acceptance(self) -> float | None:
         """Fraction of drafted tokens the target kept; None when nothing was drafted."""
@@ -336,9 +342,7 @@ class SpeculativeEngine:
             now = self._sync()
             m.add_verify(step.shape[1], now - before)
 
-        used = max((i + 1 for i, d in enumerate(m.drafted_per_position) if d), default=0)
-        m.drafted_per_position = m.drafted_per_position[:used]
-        m.accepted_per_position = m.accepted_per_position[:used]
+        m.trim_positions()
         result.tokens = tokens[m.prompt_tokens :]
         m.new_tokens = len(result.tokens)
         m.total_s = self._sync() - start
@@ -383,22 +387,18 @@ class SpeculativeEngine:
         batch = GenerationMetrics(prompt_tokens=sum(r.prompt_len for r in rows))
         fell_back, error = decode_batch(self.target, drafter, rows, arm.k, self.eos_token_id, metrics, batch,
                                         self._sync)
+        batch.drafted = sum(m.drafted for m in metrics)
+        batch.accepted = sum(m.accepted for m in metrics)
+        batch.drafted_per_position = [sum(col) for col in zip(*(m.drafted_per_position for m in metrics))]
+        batch.accepted_per_position = [sum(col) for col in zip(*(m.accepted_per_position for m in metrics))]
+        batch.trim_positions()
         results = []
         for r, m in zip(rows, metrics):
-            used = max((i + 1 for i, d in enumerate(m.drafted_per_position) if d), default=0)
-            m.drafted_per_position = m.drafted_per_position[:used]
-            m.accepted_per_position = m.accepted_per_position[:used]
+            m.trim_positions()
             tokens = r.tokens[r.prompt_len:]
             m.new_tokens = len(tokens)
             text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
             results.append(GenerationResult(tokens, arm, m, text, fell_back, error))
-        batch.drafted = sum(m.drafted for m in metrics)
-        batch.accepted = sum(m.accepted for m in metrics)
-        used = max(len(m.drafted_per_position) for m in metrics)
-        batch.drafted_per_position = [sum(m.drafted_per_position[i] for m in metrics if i < len(m.drafted_per_position))
-                                      for i in range(used)]
-        batch.accepted_per_position = [sum(m.accepted_per_position[i] for m in metrics
-                                           if i < len(m.accepted_per_position)) for i in range(used)]
         return BatchResult(results, batch)
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:

@@ -6,9 +6,9 @@ discounts all arms of its key (gamma), so old evidence fades and the policy foll
 drift; an arm that went unpulled grows uncertain and gets probed again. Classes share what
 they learn: every decision sees each arm's statistics shrunk toward that arm's mean over the
 other classes at the same load (a few pseudo-observations), so an arm that is slow everywhere
-is not explored from scratch in every class, while a class's own data soon outweighs the others'. The OFF guard
-sends a class to OFF once its best speculative arm is confidently slower than OFF, and
-still probes rarely so the class can come back.
+is not explored from scratch in every class, while a class's own data soon outweighs the
+others'. The OFF guard sends a class to OFF once its best speculative arm is confidently
+slower than OFF, and still probes rarely so the class can come back.
 """
 
 from __future__ import annotations
