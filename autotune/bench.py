@@ -311,7 +311,10 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
     def controllers(tag: str, names) -> dict[str, AutotuneController]:
         built = {}
         for name in names:
-            store = Store(f"sqlite:///{out_dir / f'{tag}-{name}.db'}", label=f"bench {tag} {name}")
+            path = out_dir / f"{tag}-{name}.db"
+            for stale in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                stale.unlink(missing_ok=True)  # a previous run's store would resume what it learned
+            store = Store(f"sqlite:///{path}", label=f"bench {tag} {name}")
             if name == "oracle":
                 policy = OraclePolicy(arms, best)
             elif name == "static_best":

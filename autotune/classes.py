@@ -62,13 +62,18 @@ def _sample(items: list, n: int, seed: int) -> list:
 
 
 def _code_prompts(n: int) -> list[str]:
-    """The first part of a held-out function (signature, docstring, a few lines) to complete."""
+    """The first part of a held-out function (signature, docstring, a few lines) to complete.
+
+    Prompts stop before a line break, never just after it: byte-level BPE merges a line break
+    with the next line's indentation, so a prompt ending in a bare line break ends on a token
+    the model has only seen before unindented text, and it would start a new definition.
+    """
     prompts = []
     for _, source, node in stdlib_functions():
         lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
         if 8 <= len(lines) <= 60:
             cut = max(2, len(lines) // 3)
-            prompts.append("\n".join(lines[:cut]) + "\n")
+            prompts.append("\n".join(lines[:cut]))
     return _sample(prompts, n, seed=1)
 
 
@@ -107,13 +112,15 @@ def edit_example(source: str, node: ast.FunctionDef) -> tuple[str, str] | None:
 
 
 def _edit_prompts(n: int) -> list[str]:
-    """Code to reproduce with one identifier renamed: output copies from the prompt."""
+    """Code to reproduce with one identifier renamed: output copies from the prompt.
+
+    Like code prompts, they stop before the line break that ends the copy's first line."""
     prompts = []
     for _, source, node in stdlib_functions():
         example = edit_example(source, node)
         if example is not None:
             instruction, edited = example
-            prompts.append(instruction + edited.splitlines()[0] + "\n")
+            prompts.append(instruction + edited.splitlines()[0])
     return _sample(prompts, n, seed=3)
 
 

@@ -134,8 +134,13 @@ def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classe
                      **load)
     with pytest.raises(ValueError, match="bench arms --batch 4"):
         bench_controller(engine, classes, {1: truth[1]}, stream, tmp_path, progress=lambda *_: None)
+    with Store(f"sqlite:///{tmp_path / 'main-thompson.db'}") as stale:  # an earlier run's store in the folder
+        stale.record(request_class="rep", arm="off", policy="thompson", prompt_tokens=1, new_tokens=1, total_s=0.1,
+                     goodput=10.0)
     result = bench_controller(engine, classes, truth, stream, tmp_path, policies=("thompson",), drift=drift,
                               progress=lambda *_: None)
+    with Store(f"sqlite:///{tmp_path / 'main-thompson.db'}") as fresh:  # every run starts from scratch
+        assert fresh.count() == sum(len(arrival) for arrival in stream.stream(classes))
     assert result["bursts"] > 0
     assert set(result["oracle_arms"]) == {"rep@load1", "mixed@load1", "rep@load2-4", "mixed@load2-4"}
     for key in ("ratio_vs_best_static", "ratio_vs_oracle", "ratio_vs_off", "worst_class_ratio_vs_off",
