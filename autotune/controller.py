@@ -5,7 +5,11 @@ taken for the same prompt and output (this request's prefill plus one OFF decode
 output token, the step cost measured on the class's OFF requests at the same load bucket)
 over the time it took. Comparing each request with itself keeps prompt and output length
 out of the reward's noise. Greedy requests also score every other arm by replaying the
-output (counterfactual.py) while a class is being learned. What the policy learned is saved
+output (counterfactual.py): every request while a class is being learned, then only within a
+small share of the serving time (a replay costs a teacher-forced forward per model drafter,
+6-9 % of a request on the demo family and more for a batch or on a compiled engine, so
+replaying every request would cost more than it teaches once the class has settled). What
+the policy learned is saved
 to the store every `save_every` requests and on close, and loaded again on start, so a
 restarted controller resumes without re-exploring.
 """
@@ -60,7 +64,8 @@ class AutotuneController:
         save_every: int = 25,
         baseline_discount: float = 0.95,
         min_baseline_steps: int = 32,
-        counterfactual_requests: int = 64,
+        counterfactual_requests: int = 8,
+        counterfactual_budget: float = 0.01,
         counterfactual_weight: float = 0.5,
         **policy_kwargs,
     ) -> None:
@@ -79,12 +84,16 @@ class AutotuneController:
         self.save_every = save_every
         self.baseline_discount = baseline_discount
         self.min_baseline_steps = min_baseline_steps
-        # Greedy requests also score every other arm (see counterfactual.py), for the first
-        # `counterfactual_requests` of each key: while the policy is still learning.
+        # Greedy requests also score every other arm (see counterfactual.py): all of a key's first
+        # `counterfactual_requests` requests, while the policy is still learning; after that only
+        # while replays have taken at most `counterfactual_budget` of the key's serving time since,
+        # so arms not played stay known at a bounded cost whatever a replay costs on this engine.
         self.counterfactual_requests = counterfactual_requests
+        self.counterfactual_budget = counterfactual_budget
         self.counterfactual_weight = counterfactual_weight
         self.costs: dict[str, CostModel] = {}  # load bucket -> measured draft and verify costs
-        self._served: dict[str, int] = {}  # key -> requests served
+        self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
+        self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning
         self.baselines: dict[str, list[float]] = {}  # key -> OFF decode [steps, seconds], discounted
         self.gpu = GpuMonitor()
         self._policy_lock = threading.Lock()
@@ -99,6 +108,7 @@ class AutotuneController:
             self.policy.load_state_dict(store.load_policy_states(self.policy.name))
             saved = store.load_policy_states(BASELINE_POLICY).items()
             self.baselines = {k: list(v["off_step"]) for k, v in saved if "off_step" in v}
+            self._served = {k: int(v.get("served", 0)) for k, v in saved}
 
     def _reachable_arms(self) -> list[Arm]:
         """The policy's arms, plus the largest K a schedule that moves K inside a request can reach."""
@@ -214,13 +224,23 @@ class AutotuneController:
         with self._policy_lock:
             costs = self.costs.setdefault(load_bucket(context.load), CostModel())
             costs.observe(arm, served)
-            count = self._served[key] = self._served.get(key, 0) + len(results)  # requests, a batch counts each
+            before = self._served.get(key, 0)
+            self._served[key] = before + len(results)
             steps, seconds = self.baselines.get(key, (0.0, 0.0))
-        if sampling.greedy and count <= self.counterfactual_requests and steps > 0:
+            learning = before < self.counterfactual_requests
+            share = self._replay_share.setdefault(key, [0.0, 0.0])
+            if not learning:
+                share[0] += served.total_s
+            replay = learning or share[1] <= self.counterfactual_budget * share[0]
+        if sampling.greedy and replay and steps > 0:
             requests = [(p, r.tokens, max_new_tokens) for p, r in zip(ids, results)]
+            started = time.perf_counter()
             with self._engine_lock:
                 estimates = arm_rewards(self.engine, self.policy.arms, costs, requests, served.prefill_s,
                                         seconds / steps)
+            if not learning:
+                with self._policy_lock:
+                    share[1] += time.perf_counter() - started
             estimates.pop(str(arm), None)  # the arm played has its measured reward
             return {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
         return sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()))
@@ -264,7 +284,8 @@ class AutotuneController:
             if key in state:
                 self.store.save_policy_state(self.policy.name, key, state[key])
             if key in self.baselines:
-                self.store.save_policy_state(BASELINE_POLICY, key, {"off_step": self.baselines[key]})
+                self.store.save_policy_state(BASELINE_POLICY, key, {"off_step": self.baselines[key],
+                                                                     "served": self._served.get(key, 0)})
         self._dirty.clear()
 
     def save(self) -> None:

@@ -76,8 +76,41 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         resumed = AutotuneController(engine, store, policy="ucb", arms=arms)
         assert resumed.policy.state_dict() == before
         assert resumed.baselines == ctl.baselines
+        assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
         # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
+
+
+class ReplayRecorder(Policy):
+    """Plays small:2 and records whether each update came with counterfactual estimates."""
+
+    name = "replay-recorder"
+    learns = True
+
+    def __init__(self, arms):
+        super().__init__(arms)
+        self.replayed = []
+
+    def choose(self, context):
+        return Arm("small", 2)
+
+    def update(self, context, arm, outcome):
+        self.replayed.append(bool(outcome.siblings))  # one K per drafter: only a replay fills it
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (0.0, [False, True, True, True, False, False, False]),  # one replay after learning, then none
+    (1e9, [False, True, True, True, True, True, True]),  # a budget that never runs out
+])
+def test_counterfactuals_are_replayed_while_learning_then_within_a_time_budget(engine, budget, expected):
+    policy = ReplayRecorder([OFF, Arm("small", 2), Arm("ngram", 3)])
+    ctl = AutotuneController(engine, policy=policy, min_baseline_steps=4, counterfactual_requests=3,
+                             counterfactual_budget=budget)
+    for p in PROMPTS[:7]:
+        ctl.generate(p, "code", max_new_tokens=8)
+    # Request 1 is the OFF baseline (no drafter cost known yet: nothing to estimate); 2 and 3 are
+    # still learning; after that a replay runs only while replays fit in the budget.
+    assert policy.replayed == expected
 
 
 def test_concurrent_requests_from_threads_are_all_served(engine, tmp_path):
