@@ -4,14 +4,14 @@ Reward is the request's speedup over OFF on the same request: the time OFF would
 taken for the same prompt and output (this request's prefill plus one OFF decode step per
 output token, the step cost measured on the class's OFF requests at the same load bucket)
 over the time it took. Comparing each request with itself keeps prompt and output length
-out of the reward's noise. Greedy requests also score every other arm by replaying the
-output (counterfactual.py): every request while a class is being learned, then only within a
-small share of the serving time (a replay costs a teacher-forced forward per model drafter,
-6-9 % of a request on the demo family and more for a batch or on a compiled engine, so
-replaying every request would cost more than it teaches once the class has settled). What
-the policy learned is saved
-to the store every `save_every` requests and on close, and loaded again on start, so a
-restarted controller resumes without re-exploring.
+out of the reward's noise. Requests also score every other arm by replaying the output
+(counterfactual.py; exact when greedy, in expectation when sampled): every request while a
+class is being learned, then only within a small share of the serving time (a replay costs
+a teacher-forced forward per model drafter, plus one of the target when sampled, 6-9 % of a
+greedy request on the demo family and more for a batch or on a compiled engine, so replaying
+every request would cost more than it teaches once the class has settled). What the policy
+learned is saved to the store every `save_every` requests and on close, and loaded again on
+start, so a restarted controller resumes without re-exploring.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class AutotuneController:
         self.save_every = save_every
         self.baseline_discount = baseline_discount
         self.min_baseline_steps = min_baseline_steps
-        # Greedy requests also score every other arm (see counterfactual.py): all of a key's first
+        # Requests also score every other arm (see counterfactual.py): all of a key's first
         # `counterfactual_requests` requests, while the policy is still learning; after that only
         # while replays have taken at most `counterfactual_budget` of the key's serving time since,
         # so arms not played stay known at a bounded cost whatever a replay costs on this engine.
@@ -232,12 +232,12 @@ class AutotuneController:
             if not learning:
                 share[0] += served.total_s
             replay = learning or share[1] <= self.counterfactual_budget * share[0]
-        if sampling.greedy and replay and steps > 0:
+        if replay and steps > 0:
             requests = [(p, r.tokens, max_new_tokens) for p, r in zip(ids, results)]
             started = time.perf_counter()
             with self._engine_lock:
                 estimates = arm_rewards(self.engine, self.policy.arms, costs, requests, served.prefill_s,
-                                        seconds / steps)
+                                        seconds / steps, sampling)
             if not learning:
                 with self._policy_lock:
                     share[1] += time.perf_counter() - started

@@ -1,4 +1,4 @@
-"""What every other arm would have done on a greedy request just served.
+"""What every other arm would have done on a request just served.
 
 Under greedy decoding a draft token is kept exactly when it equals the target's next token,
 and the output does not depend on the arm. So once a request is served, how many tokens any
@@ -11,14 +11,22 @@ per round by step length) turn them into time. The result is a paired estimate o
 arm's reward on the same request, so the bandit compares arms without the noise of
 comparing different prompts (per-request rewards spread by about +-30 % across prompts).
 
-Sampled requests have no such closed form (acceptance is random), so they get none.
+Sampled requests get the same replay in expectation. Rejection sampling keeps a draft from a
+distribution q where the target samples from p with probability sum_x min(p(x), q(x)) (a
+point-mass draft x: p(x)), so one more teacher-forced forward, of the target, gives the
+acceptance probability at every output position, and a round is expected to advance by the
+sum of the products of those probabilities along its drafts. The probabilities are taken
+along the output actually sampled rather than along each arm's own drafts, so this is an
+approximation (a test bounds its error); greedy is the special case where every probability
+is 0 or 1 and the replay is exact.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine import Arm, ModelDrafter, NGramDrafter, SpeculativeEngine
+from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.sampling import probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
 
@@ -64,45 +72,78 @@ class CostModel:
         return max(mean_v + slope * (tokens - mean_t), min(vs))
 
 
-def model_runs(drafter: ModelDrafter, sequence: list[int], start: int) -> list[int]:
-    """For each position t >= start: how many drafter predictions in a row match sequence[t:]."""
-    ids = torch.tensor([sequence], device=drafter.model.device)
+def target_probabilities(engine: SpeculativeEngine, sequence: list[int], start: int,
+                         sampling: SamplingParams) -> torch.Tensor:
+    """[len(sequence) - start, V]: the distribution each output token from `start` on was sampled from."""
+    return probabilities(_teacher_forced_logits(engine.target, sequence, start), sampling)
+
+
+def _teacher_forced_logits(model, sequence: list[int], start: int) -> torch.Tensor:
+    """Logits whose row j predicts sequence[start + j], from one forward over the whole sequence."""
+    ids = torch.tensor([sequence], device=model.device)
     with torch.inference_mode():
-        logits = drafter.model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0]
-    predicted = logits[:-1].argmax(-1).tolist()  # row j predicts sequence[start + j]
-    runs = [0] * (len(sequence) - start + 1)
-    for j in range(len(sequence) - start - 1, -1, -1):
-        runs[j] = runs[j + 1] + 1 if predicted[j] == sequence[start + j] else 0
-    return runs[:-1]
+        return model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0, :-1]
 
 
-def ngram_runs(drafter: NGramDrafter, sequence: list[int], start: int, k: int) -> tuple[list[int], list[int]]:
-    """For each position t >= start: tokens proposed (up to k) and how many of them match."""
-    proposed, runs = [], []
+def model_chains(drafter: ModelDrafter, sequence: list[int], start: int, k: int,
+                 target: torch.Tensor | None, sampling: SamplingParams | None) -> list[list[float]]:
+    """For each position t >= start: the acceptance probability of each of k drafts from there.
+
+    `target` None means greedy: a draft is kept exactly when the drafter's argmax is the output.
+    """
+    logits = _teacher_forced_logits(drafter.model, sequence, start)
+    if target is None:
+        accept = (logits.argmax(-1) == torch.tensor(sequence[start:], device=logits.device)).float()
+    else:
+        accept = torch.minimum(target, probabilities(logits, sampling)).sum(-1)
+    accept = accept.tolist()
+    return [accept[j:j + k] for j in range(len(accept))]
+
+
+def ngram_chains(drafter: NGramDrafter, sequence: list[int], start: int, k: int,
+                 target: torch.Tensor | None) -> tuple[list[list[float]], list[int]]:
+    """For each position t >= start: acceptance probabilities of the (up to k) tokens proposed, and how many.
+
+    A draft that differs from the output leaves the path the target's distributions were
+    taken on, so the chain stops there (its own probability still counts when sampled).
+    """
+    chains, proposed = [], []
     for t in range(start, len(sequence)):
         draft, _ = drafter.propose(sequence[:t], k, None, None)
-        n = 0
-        while n < len(draft) and t + n < len(sequence) and draft[n] == sequence[t + n]:
-            n += 1
+        chain = []
+        for i, token in enumerate(draft[: len(sequence) - t]):
+            matches = token == sequence[t + i]
+            chain.append(float(matches) if target is None else float(target[t - start + i, token]))
+            if not matches:
+                break
+        chains.append(chain)
         proposed.append(len(draft))
-        runs.append(n)
-    return proposed, runs
+    return chains, proposed
 
 
-def replay(runs: list[int], proposed: list[int] | None, k: int, max_new_tokens: int) -> list[int]:
+def expected_accepted(chain: list[float], k: int) -> float:
+    """Drafts kept in a round of k drafts: each is kept only if every earlier one was."""
+    kept, alive = 0.0, 1.0
+    for accept in chain[:k]:
+        alive *= accept
+        kept += alive
+    return kept
+
+
+def replay(chains: list[list[float]], proposed: list[int] | None, k: int, max_new_tokens: int) -> list[int]:
     """Tokens drafted in each round of a request replayed at constant K (the engine's own loop).
 
-    Position 0 of `runs` is the first output position a round starts at (the token after the
-    prefill's), i.e. output index 1.
+    Position 0 of `chains` is the first output position a round starts at (the token after the
+    prefill's), i.e. output index 1. A sampled replay advances by expected, fractional amounts.
     """
     rounds = []
-    committed = 1  # output tokens after prefill
-    total = len(runs) + 1
-    while committed < total:
-        j = committed - 1
-        k_round = max(0, min(k, max_new_tokens - committed - 1, proposed[j] if proposed is not None else k))
+    committed = 1.0  # output tokens after prefill
+    # The round starts at output index int(committed); a float sum of probabilities that should
+    # be 1 may fall short of it by rounding, hence the tolerance.
+    while (j := int(committed + 1e-6) - 1) < len(chains):
+        k_round = max(0, min(k, max_new_tokens - j - 2, proposed[j] if proposed is not None else k))
         rounds.append(k_round)
-        committed += min(runs[j], k_round) + 1
+        committed += expected_accepted(chains[j], k_round) + 1
     return rounds
 
 
@@ -112,24 +153,26 @@ def batch_rounds(per_row: list[list[int]]) -> list[int]:
     return [max(r[j] for r in per_row if j < len(r)) for j in range(max(map(len, per_row)))]
 
 
-def drafter_runs(drafter, sequence: list[int], start: int, k: int) -> tuple[list[int], list[int] | None]:
-    """(runs, tokens proposed) from every position for a model or n-gram drafter (proposed None: always k)."""
+def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: torch.Tensor | None,
+                   sampling: SamplingParams | None) -> tuple[list[list[float]], list[int] | None]:
+    """(chains, tokens proposed) from every position for a model or n-gram drafter (proposed None: always k)."""
     if isinstance(drafter, NGramDrafter):
-        proposed, runs = ngram_runs(drafter, sequence, start, k)
-        return runs, proposed
-    return model_runs(drafter, sequence, start), None
+        return ngram_chains(drafter, sequence, start, k, target)
+    return model_chains(drafter, sequence, start, k, target, sampling), None
 
 
-def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int],
-               max_new_tokens: int) -> list[int]:
-    """Tokens drafted per round had `arm` served this greedy request (one entry per round)."""
-    runs, proposed = drafter_runs(engine.drafters[arm.drafter], prompt + output, len(prompt) + 1, arm.k)
-    return replay(runs, proposed, arm.k, max_new_tokens)
+def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int], max_new_tokens: int,
+               sampling: SamplingParams | None = None) -> list[int]:
+    """Tokens drafted per round had `arm` served this request (one entry per round; expected if sampled)."""
+    sequence, start = prompt + output, len(prompt) + 1
+    target = None if sampling is None or sampling.greedy else target_probabilities(engine, sequence, start, sampling)
+    chains, proposed = drafter_chains(engine.drafters[arm.drafter], sequence, start, arm.k, target, sampling)
+    return replay(chains, proposed, arm.k, max_new_tokens)
 
 
 def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
                 requests: list[tuple[list[int], list[int], int]], prefill_s: float,
-                off_step_s: float) -> dict[str, float]:
+                off_step_s: float, sampling: SamplingParams | None = None) -> dict[str, float]:
     """Estimated reward (OFF time / arm time) of each arm whose costs are known.
 
     `requests` holds (prompt, output, max_new_tokens) of one request, or of every request of a
@@ -142,21 +185,25 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     off_rounds = max(len(output) for _, output, _ in requests) - 1
     off_time = prefill_s + off_rounds * off_step_s
     known = [a for a in arms if a.is_off or costs.draft_cost(a.drafter) is not None]  # others never served yet
-    longest = {}  # drafter -> its largest K: shorter K replay the same runs
+    longest = {}  # drafter -> its largest K: shorter K replay the same chains
     for arm in known:
         if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter)):
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
-    run_table = {name: [drafter_runs(engine.drafters[name], sequence, start, k)
-                        for sequence, start in zip(sequences, starts)] for name, k in longest.items()}
+    sampled = sampling is not None and not sampling.greedy
+    targets = [target_probabilities(engine, sequence, start, sampling) if sampled and longest else None
+               for sequence, start in zip(sequences, starts)]
+    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sampling)
+                          for sequence, start, target in zip(sequences, starts, targets)]
+                   for name, k in longest.items()}
     estimates = {}
     for arm in known:
         if arm.is_off:
             rounds = [0] * off_rounds
-        elif arm.drafter in run_table:
-            per_row = [replay(runs, proposed, arm.k, max_new)
-                       for (runs, proposed), (_, _, max_new) in zip(run_table[arm.drafter], requests)]
+        elif arm.drafter in chain_table:
+            per_row = [replay(chains, proposed, arm.k, max_new)
+                       for (chains, proposed), (_, _, max_new) in zip(chain_table[arm.drafter], requests)]
             rounds = batch_rounds(per_row)
         else:
             continue
