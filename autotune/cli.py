@@ -1,4 +1,4 @@
-"""`autotune`: demo, tune, inspect, bench engine|arms|controller|store, zoo train.
+"""`autotune`: demo, tune, inspect, bench engine|lossless|arms|controller|store|limits, zoo train.
 
 Exit codes: 0 success, 1 failure while running, 2 bad usage or bad input, 3 missing or
 unreadable store.
@@ -16,6 +16,10 @@ from store import StoreError
 EXIT_FAILURE, EXIT_USAGE, EXIT_STORE = 1, 2, 3
 
 
+class CheckFailed(Exception):
+    """A check the command runs did not hold (exit 1)."""
+
+
 def _emit(result: dict, path: str | None) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -24,9 +28,12 @@ def _emit(result: dict, path: str | None) -> None:
 
 
 def _engine(args, drafters=None):
+    import torch
+
     from autotune.zoo import load_engine
 
-    return load_engine(args.family, device=args.device, drafters=drafters, compile=args.compile)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return load_engine(args.family, device=args.device, drafters=drafters, compile=args.compile, dtype=dtype)
 
 
 def _classes(args):
@@ -130,6 +137,14 @@ def cmd_bench(args) -> None:
         prompts = list(builtin_classes(include_shared=False)["code"].prompts[: 3 if args.quick else args.prompts])
         result = bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens)
         print(json.dumps(result, indent=2))
+    elif args.what == "lossless":
+        arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else [Arm(d, 4) for d in engine.drafters]
+        result = bench.bench_lossless(engine, _classes(args), arms, args.prompts, args.max_new_tokens)
+        print(json.dumps(result, indent=2))
+        _emit(result, args.json)
+        if result["dtype"] == "float32" and result["identical"] < result["requests"]:
+            raise CheckFailed(f"{result['requests'] - result['identical']} float32 outputs differ from generate()")
+        return
     elif args.what == "arms":
         ks = (2, 4) if args.quick else bench.BENCH_KS
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
@@ -198,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         if engine:
             p.add_argument("--family", help="model family folder (default: the built-in family)")
             p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+            p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                           help="model dtype (default float32: greedy output exact on every device)")
             p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                            help="compiled decode steps (default: on for CUDA, off for CPU)")
         return p
@@ -222,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, arms, controller, store"))
-    p.add_argument("what", choices=["engine", "arms", "controller", "store", "limits"])
+    p.add_argument("what", choices=["engine", "lossless", "arms", "controller", "store", "limits"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
+    p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")
     p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
@@ -263,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as exc:
         print(f"autotune: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except CheckFailed as exc:
+        print(f"autotune: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_FAILURE
     return 0

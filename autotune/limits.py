@@ -97,7 +97,7 @@ def bench_limits(engine: SpeculativeEngine, max_k: int = 16, prompt_tokens: int 
         seconds = step_seconds(steps, engine, prompt_tokens, repeats)
     one = seconds["target K=0"]
     weights = weight_bytes_per_step(engine.target)
-    limit = bandwidth / 2 / weights  # a step reads the weights once: half of what a copy moves
+    limit = bandwidth / weights  # the copy's bandwidth counts bytes read and written; a step moves its weights once
     result["target"] = {"weight_MB": round(weights / 2**20, 1), "step_ms": round(one * 1000, 3),
                         "tokens_per_s": round(1 / one, 1), "bandwidth_limit_tokens_per_s": round(limit, 1),
                         "fraction_of_limit": round(1 / one / limit, 3)}

@@ -299,7 +299,7 @@ def content_hash(folder: Path) -> str:
 
 
 def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[str] | None = None,
-                ngram: bool = True, compile: bool | None = None):
+                ngram: bool = True, compile: bool | None = None, dtype: torch.dtype | None = None):
     """An engine over a trained family: its target, its drafters (all by default) and n-gram lookup."""
     from engine import NGramDrafter, SpeculativeEngine
 
@@ -309,7 +309,7 @@ def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[
     unknown = set(names) - set(manifest["drafters"])
     if unknown:
         raise ValueError(f"unknown drafter(s) {sorted(unknown)}; this family has {manifest['drafters']}")
-    engine = SpeculativeEngine(folder / manifest["target"], device=device, compile=compile)
+    engine = SpeculativeEngine(folder / manifest["target"], device=device, dtype=dtype, compile=compile)
     for name in names:
         engine.add_drafter(name, folder / name)
     if ngram:

@@ -135,7 +135,9 @@ class SpeculativeEngine:
         self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
         self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         if dtype is None:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            # float32 everywhere by default: in bfloat16 a (K+1)-token verify and a 1-token step
+            # round differently, so at near-ties the greedy output can change (measured on an H100).
+            dtype = torch.float32
         self.dtype = dtype
         if tokenizer is None and isinstance(target, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(target)

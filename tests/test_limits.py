@@ -27,6 +27,9 @@ def test_bench_limits_measures_every_verify_length_and_each_model_drafter(target
     assert list(result["drafters"]) == ["small"]  # n-gram lookup has no model step
     target_row = result["target"]
     assert target_row["weight_MB"] == round(weight_bytes_per_step(target) / 2**20, 1)
+    # The limit is the copy's bandwidth (bytes read + written per second) over the weight bytes.
+    limit = result["copy_bandwidth_GBps"] * 1e9 / (target_row["weight_MB"] * 2**20)
+    assert target_row["bandwidth_limit_tokens_per_s"] == pytest.approx(limit, rel=0.01)
     assert target_row["fraction_of_limit"] == pytest.approx(
         target_row["tokens_per_s"] / target_row["bandwidth_limit_tokens_per_s"], rel=0.01, abs=1e-3)  # rounded
 

@@ -118,6 +118,28 @@ def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path):
     assert 0.0 <= result["acceptance"] <= 1.0 and result["tokens_per_s"]["engine_spec"] > 0
 
 
+def test_bench_lossless_passes_a_lossless_engine_and_fails_a_lossy_one(tmp_path, monkeypatch, capsys):
+    import json
+
+    import engine.engine
+
+    argv = ["bench", "lossless", "--classes", "code,docs", "--prompts", "1", "--max-new-tokens", "24",
+            "--arms", "distilled:2,ngram:3"]
+    path = tmp_path / "lossless.json"
+    assert main([*argv, "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert result["requests"] == result["identical"] == 4 and result["divergences"] == []
+
+    def accept_every_draft(target_logits, draft):  # a broken verifier: keeps drafts the target rejects
+        return len(draft), int(target_logits[len(draft)].argmax())
+
+    monkeypatch.setattr(engine.engine, "verify_greedy", accept_every_draft)
+    assert main([*argv, "--json", str(path)]) == 1
+    assert "float32 outputs differ from generate()" in capsys.readouterr().err
+    divergences = json.loads(path.read_text())["divergences"]
+    assert max(d["float32_gap"] for d in divergences) > 0.5  # a real preference overruled, not a tie
+
+
 def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classes, tmp_path):
     from autotune.bench import bench_arms, bench_controller
 
