@@ -55,8 +55,11 @@ def test_a_sampled_replay_predicts_rounds_in_expectation(engine):
 def test_estimated_rewards_follow_acceptance_and_cost():
     costs = CostModel()
     assert costs.verify_cost(3) is None  # nothing measured yet
-    costs.verify = {1: [0.5, 100.0], 5: [0.7, 100.0]}  # 5 ms per 1-token step, 7 ms per 5-token step
-    assert costs.verify_cost(3) == pytest.approx(0.006)  # the line through what was measured
+    costs.verify = {2: [0.5, 100.0], 6: [0.7, 100.0]}  # 5 ms per 2-token verify, 7 ms per 6-token one
+    assert costs.verify_cost(4) == pytest.approx(0.006)  # the line through what was measured
+    costs.verify[1] = [0.3, 100.0]  # a 1-token step skips the multi-token overhead: not on that line
+    assert costs.verify_cost(9) == pytest.approx(0.0085)
+    assert costs.verify_cost(1) == pytest.approx(0.003)
     costs.verify = {1: [0.5, 100.0]}
     assert costs.verify_cost(3) > costs.verify_cost(1)  # one point: a prior slope, never cheaper
 
