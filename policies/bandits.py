@@ -148,9 +148,13 @@ class BanditPolicy(Policy):
         return self.tables[context.key]
 
     def _with_shared_prior(self, key: str, table: ArmTable) -> ArmTable:
-        """A copy of `table` plus `share_weight` pseudo-observations of each arm's mean in the other
-        classes at the same load (under load the extra verify tokens cost more, so load-1 means
-        would mislead)."""
+        """A copy of `table` plus pseudo-observations of each arm's mean in the other classes at
+        the same load (under load the extra verify tokens cost more, so load-1 means would mislead).
+
+        `share_weight` of them while the class has no evidence of its own on an arm, fading as
+        its own grows (w^2 / (w + n)): a fixed share kept an arm that is best elsewhere but loses
+        here (n-gram lookup on text sampled at T=1) in play long after the class had measured it.
+        """
         others = [t for k, t in self.tables.items() if k != key and _load_of(k) == _load_of(key)]
         if not others or self.share_weight <= 0:
             return table
@@ -158,8 +162,9 @@ class BanditPolicy(Policy):
         view.counts = table.counts
         variance = sum(t.pooled_variance() for t in others) / len(others)
         for arm, (mean, _) in self._pooled(others).items():
-            view._add(arm, mean, self.share_weight)
-            view.rows[arm][2] += self.share_weight * variance  # spread like the others' rewards
+            weight = self.share_weight ** 2 / (self.share_weight + table.n(arm))
+            view._add(arm, mean, weight)
+            view.rows[arm][2] += weight * variance  # spread like the others' rewards
         return view
 
     # ----- decisions ----------------------------------------------------------------------

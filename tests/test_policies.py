@@ -142,3 +142,20 @@ def test_sibling_estimates_follow_the_speculation_model():
         assert est[f"small:{k}"][0] == pytest.approx(2.0 * rate[k] / rate[4])
     assert est["small:1"][1] == 0.5 and est["small:8"][1] == 0.25  # extrapolation weighs less
     assert sibling_rewards(m, OFF, 1.0, ks=[1, 2]) == {}
+
+
+def test_a_class_whose_own_evidence_disagrees_with_the_others_follows_its_own():
+    """Arms best elsewhere but worse than OFF here (n-gram lookup on text sampled at T=1) must give
+    way to the class's own measurements, not stay propped up by the other classes' means."""
+    arms = [Arm("ngram", k) for k in (1, 2, 3, 4, 6, 8)] + [Arm("small", k) for k in (1, 2, 3)]
+    ngram, small = [str(a) for a in arms if a.drafter == "ngram"], [str(a) for a in arms if a.drafter == "small"]
+    elsewhere = {"off": 1.0, **dict.fromkeys(ngram, 1.5), **dict.fromkeys(small, 1.2)}
+    here = {"off": 1.0, **dict.fromkeys(ngram, 0.9), **dict.fromkeys(small, 1.25)}
+    wrong = 0
+    for seed in range(5):
+        policy = make_policy("ucb", arms)
+        for name in ("code", "docs", "edit"):
+            simulate(policy, elsewhere, 60, context=Context(name), seed=seed)
+        chosen = simulate(policy, here, 100, context=Context("creative"), seed=100 + seed)
+        wrong += sum(a.startswith("ngram") for a in chosen[20:])
+    assert wrong <= 85  # of 400 plays; a fixed share of 2 pseudo-observations per arm gave 105
