@@ -23,6 +23,8 @@ is 0 or 1 and the replay is exact.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
@@ -67,9 +69,8 @@ class CostModel:
         points = {t: s / n for t, (s, n) in self.verify.items() if n > 0}
         if tokens in points:
             return points[tokens]
-        multi = {t: v for t, v in points.items() if t > 1}
-        if tokens > 1 and multi:
-            points = multi
+        if tokens > 1:
+            points = {t: v for t, v in points.items() if t > 1} or points
         if not points:
             return None
         if len(points) == 1:
@@ -206,6 +207,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sampling)
                           for sequence, start, target in zip(sequences, starts, targets)]
                    for name, k in longest.items()}
+    verify_cost = functools.cache(costs.verify_cost)  # the same few widths, for every round of every arm
     estimates = {}
     for arm in known:
         if arm.is_off:
@@ -216,7 +218,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
             rounds = batch_rounds(per_row)
         else:
             continue
-        verify = [costs.verify_cost(k + 1) for k in rounds]
+        verify = [verify_cost(k + 1) for k in rounds]
         if any(v is None for v in verify):
             continue
         draft = (costs.draft_cost(arm.drafter) or 0.0) * sum(rounds) if not arm.is_off else 0.0
