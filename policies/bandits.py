@@ -8,7 +8,11 @@ they learn: every decision sees each arm's statistics shrunk toward that arm's m
 other classes at the same load (a few pseudo-observations), so an arm that is slow everywhere
 is not explored from scratch in every class, while a class's own data soon outweighs the
 others'. The OFF guard sends a class to OFF once its best speculative arm is confidently
-slower than OFF, and still probes rarely so the class can come back.
+slower than OFF, and still probes rarely so the class can come back. Exploration is
+conservative (Wu et al. 2016, "Conservative Bandits"): a key plays an uncertain arm only while
+its discounted earnings over OFF cover that arm's pessimistic outcome, so a key where
+speculation loses (a class under load, where the verify costs every row of the batch) cannot
+spend many requests finding that out, and one where it wins explores freely.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class ArmTable:
         self.rows = {a: [0.0, 0.0, 0.0] for a in arms}
         self.counts = dict.fromkeys(arms, 0)  # real pulls, undiscounted (priors excluded)
         self.pulls = 0
+        self.margin = 0.0  # discounted sum of (reward - (1 - safety)) over real pulls (see _affordable)
         self.guarded = False
         if rows:
             self.rows.update({a: list(v) for a, v in rows.items() if a in self.rows})
@@ -72,13 +77,15 @@ class ArmTable:
         row[2] += weight * reward * reward
 
     def to_dict(self) -> dict:
-        return {"rows": self.rows, "counts": self.counts, "pulls": self.pulls, "guarded": self.guarded}
+        return {"rows": self.rows, "counts": self.counts, "pulls": self.pulls, "margin": self.margin,
+                "guarded": self.guarded}
 
     @classmethod
     def from_dict(cls, arms: list[str], state: dict) -> ArmTable:
         table = cls(arms, state.get("rows"))
         table.counts.update({a: int(c) for a, c in state.get("counts", {}).items() if a in table.counts})
         table.pulls = int(state.get("pulls", 0))
+        table.margin = float(state.get("margin", 0.0))
         table.guarded = bool(state.get("guarded", False))
         return table
 
@@ -95,6 +102,7 @@ class BanditPolicy(Policy):
         guard: bool = True,
         guard_z: float = 1.0,
         probe_rate: float = 0.05,
+        safety: float | None = 0.02,
         seed: int = 0,
     ) -> None:
         super().__init__(arms)
@@ -106,6 +114,7 @@ class BanditPolicy(Policy):
         self.guard = guard
         self.guard_z = guard_z
         self.probe_rate = probe_rate
+        self.safety = safety  # None: unconstrained exploration
         self.rng = random.Random(seed)
         self.tables: dict[str, ArmTable] = {}
         self.priors: dict[str, dict[str, tuple[float, float]]] = {}  # class -> arm -> (mean, weight)
@@ -175,9 +184,33 @@ class BanditPolicy(Policy):
         view = self._with_shared_prior(context.key, table)
         guarded = self._guard(view)
         table.guarded = view.guarded
-        if guarded is not None:
-            return guarded
-        return self.by_name[self._pick(view)]
+        arm = guarded if guarded is not None else self.by_name[self._pick(view)]
+        if self.safety is None or arm.is_off or self._affordable(table, view, str(arm)):
+            return arm
+        # Not affordable: the safest play, the arm whose pessimistic reward is highest (OFF's is 1).
+        safest = max(self.arm_names, key=lambda a: 1.0 if a == str(OFF) else self._lower(view, a))
+        return self.by_name[safest]
+
+    def _lower(self, view: ArmTable, arm: str) -> float:
+        """The arm's lower confidence bound; an arm with no evidence is taken to lose at most `safety`."""
+        n = view.n(arm)
+        if n < 1e-9:
+            return 1.0 - self.safety
+        return view.mean(arm) - self.guard_z * math.sqrt(view.pooled_variance() / n)
+
+    def _affordable(self, table: ArmTable, view: ArmTable, arm: str) -> bool:
+        """Conservative exploration: playing `arm` keeps the key at >= (1 - safety) of OFF even if
+        the arm returns its lower confidence bound, or the arm is at least as safe as OFF.
+
+        An arm with no evidence is tried while the margin is not negative, so a fresh
+        controller explores from its first requests, and a key that has lost explores uncertain
+        arms again only once safe plays have paid the loss back (OFF earns `safety` a request;
+        an arm confidently faster than OFF earns more, so a class misled by the others'
+        evidence into a few losses goes on to the arm its replays favour, not to OFF). The
+        margin is discounted like the evidence, so old gains do not license new losses for ever.
+        """
+        lower = self._lower(view, arm)
+        return lower >= 1.0 or table.margin + lower - (1.0 - self.safety) >= 0.0
 
     def _guard(self, table: ArmTable) -> Arm | None:
         table.guarded = False
@@ -198,7 +231,12 @@ class BanditPolicy(Policy):
         raise NotImplementedError
 
     def update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
-        self.table(context).update(str(arm), outcome.reward, self.discount, outcome.siblings)
+        table = self.table(context)
+        table.update(str(arm), outcome.reward, self.discount, outcome.siblings)
+        if self.safety is not None:
+            # OFF is the baseline: it earns exactly `safety`, whatever noise its own timing had.
+            earned = 1.0 if arm.is_off else outcome.reward
+            table.margin = table.margin * self.discount + earned - (1.0 - self.safety)
 
     # ----- persistence --------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict]:

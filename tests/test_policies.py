@@ -49,9 +49,10 @@ def test_follows_a_switch_of_the_best_arm(name):
     assert Counter(chosen[-100:])["ngram:3"] >= 80
 
 
+@pytest.mark.parametrize("safety", [None, 0.02])
 @pytest.mark.parametrize("name", ["ucb", "thompson"])
-def test_goes_off_when_every_arm_loses_and_keeps_probing(name):
-    policy = make_policy(name, ARMS)
+def test_goes_off_when_every_arm_loses_and_keeps_probing(name, safety):
+    policy = make_policy(name, ARMS, safety=safety)
     means = {str(a): 0.7 for a in ARMS} | {"off": 1.0, "small:1": 0.9}
     simulate(policy, means, 200)
     chosen, guarded = [], 0
@@ -61,7 +62,31 @@ def test_goes_off_when_every_arm_loses_and_keeps_probing(name):
     last = Counter(chosen)
     assert last["off"] >= 170  # the nearest loser (0.9) still gets probed, the 0.7s hardly
     assert last["off"] < 200  # rare probes keep a way back
-    assert guarded >= 100  # the guard holds the class at OFF most of the time
+    if safety is None:  # the guard alone holds the class at OFF most of the time
+        assert guarded >= 100
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_a_key_where_speculation_loses_spends_little_finding_out(name):
+    """Under load every arm loses to OFF (the verify costs every row of the batch) while the
+    class's load-1 evidence says speculation wins: conservative exploration must not spend the
+    load key's requests finding that out one arm at a time."""
+    arms = [Arm(d, k) for d in ("small", "distilled", "ngram") for k in (1, 2, 3, 4, 6, 8)]
+    alone = {"off": 1.0} | {str(a): 1.2 + 0.3 * (a.k == 4) for a in arms}
+    busy = {"off": 1.0} | {str(a): 0.95 - 0.05 * i for a in arms for i in [[1, 2, 3, 4, 6, 8].index(a.k)]}
+    mean = {}
+    for safety in (None, 0.02):
+        rewards = []
+        for seed in range(10):
+            policy = make_policy(name, arms, safety=safety, seed=seed)
+            for request_class in ("code", "docs"):
+                simulate(policy, alone, 60, context=Context(request_class), seed=seed, noise=0.25)
+            simulate(policy, busy, 12, context=Context("docs", load=8), seed=seed, noise=0.1)
+            chosen = simulate(policy, busy, 40, context=Context("code", load=8), seed=100 + seed, noise=0.1)
+            rewards += [busy[a] for a in chosen]
+        mean[safety] = sum(rewards) / len(rewards)
+    assert mean[0.02] >= 0.95  # 0.97 measured; OFF is 1.0
+    assert mean[None] <= 0.90  # unconstrained exploration: 0.86
 
 
 @pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
@@ -103,8 +128,28 @@ def test_a_class_new_at_a_load_starts_from_other_classes_at_that_load():
     assert chosen[1:4] == ["small:1"] * 3  # from docs at load 8, not code@load1's small:8
 
 
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_after_losses_a_key_plays_an_arm_confidently_faster_than_off_rather_than_off(name):
+    """Two losing plays leave the margin negative; replays of them say small:2 would have won.
+    Untried arms are then unaffordable, but small:2 is safer than OFF, so it is played."""
+    policy = make_policy(name, ARMS)
+    key = Context("creative")
+    policy.update(key, OFF, Outcome(goodput=100, reward=1.0))
+    for _ in range(2):
+        policy.update(key, Arm("ngram", 3), Outcome(goodput=60, reward=0.6, siblings={"small:2": (1.4, 0.5)}))
+    assert policy.table(key).margin < 0
+    assert [str(policy.choose(key)) for _ in range(5)] == ["small:2"] * 5
+    if name == "ucb":  # unconstrained, it would explore an untried arm first
+        unconstrained = make_policy(name, ARMS, safety=None)
+        unconstrained.load_state_dict(json.loads(json.dumps(policy.state_dict())))
+        assert str(unconstrained.choose(key)) == "small:1"
+
+
 def test_contextual_policy_uses_features_for_a_class_it_has_not_seen():
-    policy = make_policy("contextual", ARMS, min_class_obs=50)
+    # safety=None: this test is about the feature model, which learns only from arms the early
+    # exploration played; conservative exploration (the default) reaches the 0.9 arms here one
+    # paid-back loss at a time, and ngram:3 did not make it into that early history.
+    policy = make_policy("contextual", ARMS, min_class_obs=50, safety=None)
     rng = random.Random(0)
     for i in range(400):  # repetitive prompts favour ngram, others favour small:2
         overlap = rng.random()
