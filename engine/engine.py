@@ -196,10 +196,11 @@ class SpeculativeEngine:
         tokens/s against ~750 after). Returns the compile report; eager engines have none.
         """
         if self.device.type == "cuda":
+            sampling = SamplingParams(1.0, 0.9, seed=0)
+            generator = self._generator(sampling)
             with torch.inference_mode():
-                self._pick(torch.zeros(self.vocab_size, device=self.device), SamplingParams(1.0, 0.9, seed=0),
-                           self._generator(SamplingParams(1.0, seed=0)))
-                torch.rand(1, device=self.device, generator=self._generator(SamplingParams(1.0, seed=0)))
+                self._pick(torch.zeros(self.vocab_size, device=self.device), sampling, generator)
+                torch.rand(1, device=self.device, generator=generator)
         if self.cache_kind != "compiled":
             return {}
         arms = [Arm.parse(a) if isinstance(a, str) else a for a in arms]

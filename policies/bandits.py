@@ -188,15 +188,16 @@ class BanditPolicy(Policy):
         if self.safety is None or arm.is_off or self._affordable(table, view, str(arm)):
             return arm
         # Not affordable: the safest play, the arm whose pessimistic reward is highest (OFF's is 1).
-        safest = max(self.arm_names, key=lambda a: 1.0 if a == str(OFF) else self._lower(view, a))
+        sd = math.sqrt(view.pooled_variance())
+        safest = max(self.arm_names, key=lambda a: 1.0 if a == str(OFF) else self._lower(view, a, sd))
         return self.by_name[safest]
 
-    def _lower(self, view: ArmTable, arm: str) -> float:
+    def _lower(self, view: ArmTable, arm: str, sd: float) -> float:
         """The arm's lower confidence bound; an arm with no evidence is taken to lose at most `safety`."""
         n = view.n(arm)
         if n < 1e-9:
             return 1.0 - self.safety
-        return view.mean(arm) - self.guard_z * math.sqrt(view.pooled_variance() / n)
+        return view.mean(arm) - self.guard_z * sd / math.sqrt(n)
 
     def _affordable(self, table: ArmTable, view: ArmTable, arm: str) -> bool:
         """Conservative exploration: playing `arm` keeps the key at >= (1 - safety) of OFF even if
@@ -209,7 +210,7 @@ class BanditPolicy(Policy):
         evidence into a few losses goes on to the arm its replays favour, not to OFF). The
         margin is discounted like the evidence, so old gains do not license new losses for ever.
         """
-        lower = self._lower(view, arm)
+        lower = self._lower(view, arm, math.sqrt(view.pooled_variance()))
         return lower >= 1.0 or table.margin + lower - (1.0 - self.safety) >= 0.0
 
     def _guard(self, table: ArmTable) -> Arm | None:
