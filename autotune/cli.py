@@ -145,6 +145,11 @@ def cmd_bench(args) -> None:
         if result["dtype"] == "float32" and result["identical"] < result["requests"]:
             raise CheckFailed(f"{result['requests'] - result['identical']} float32 outputs differ from generate()")
         return
+    elif args.what == "replay":
+        ks = (2, 4) if args.quick else (1, 2, 4, 8)
+        arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
+        result = bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
+        print(json.dumps({k: v for k, v in result.items() if k != "classes"}, indent=2))
     elif args.what == "arms":
         ks = (2, 4) if args.quick else bench.BENCH_KS
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
@@ -238,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_tune)
 
-    p = common(sub.add_parser("bench", help="benchmarks: engine, arms, controller, store"))
-    p.add_argument("what", choices=["engine", "lossless", "arms", "controller", "store", "limits"])
+    p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, store, limits"))
+    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "store", "limits"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")

@@ -8,6 +8,7 @@ error.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 
 def ngram_overlap(ids: list[int], n: int = 3) -> float:
@@ -32,14 +33,16 @@ def request_features(ids: list[int], max_new_tokens: int, temperature: float, to
     }
 
 
-def sibling_rewards(metrics, arm, reward: float, ks, exact_weight: float = 0.5,
-                    extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
+def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int], float] | None = None,
+                    exact_weight: float = 0.5, extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
     """Estimated rewards of (same drafter, other K) from one request run at constant K.
 
     Per round, K drafts yield 1 + sum_{i<K} S_i tokens, S_i being the share of rounds whose
-    first i+1 drafts were all accepted (measured per position), at a cost of K draft steps
-    plus one verify. For K' < K every S_i is measured; for K' > K the last conditional
-    acceptance is extended geometrically, so those estimates get less weight.
+    first i+1 drafts were all accepted (measured per position), at the cost of a K-token draft
+    round plus one verify. For K' < K every S_i is measured; for K' > K the last conditional
+    acceptance is extended geometrically, so those estimates get less weight. `round_cost(k)`
+    (the cost model's seconds of a k-token round) says how draft cost grows with K, scaled to
+    this request's own rounds; without it, K steps at this request's mean step cost.
     """
     if arm.is_off or not metrics.draft_steps or not metrics.rounds:
         return {}
@@ -47,13 +50,18 @@ def sibling_rewards(metrics, arm, reward: float, ks, exact_weight: float = 0.5,
     if len(survival) < arm.k or not survival[0]:
         return {}
     step = survival[-1] / survival[-2] if len(survival) > 1 and survival[-2] > 0 else survival[0]
-    draft_cost = metrics.draft_s / metrics.draft_steps
     verify_cost = metrics.verify_s / metrics.rounds
+    needed = {arm.k, *ks}
+    if round_cost is not None and metrics.draft_rounds and round_cost(arm.k) > 0:
+        scale = metrics.draft_s / metrics.draft_rounds / round_cost(arm.k)
+        draft_cost = {k: scale * round_cost(k) for k in needed}
+    else:
+        draft_cost = {k: k * metrics.draft_s / metrics.draft_steps for k in needed}
 
     def rate(k: int) -> float:
         accepted = sum(survival[i] if i < len(survival) else survival[-1] * step ** (i - len(survival) + 1)
                        for i in range(k))
-        return (1 + accepted) / (k * draft_cost + verify_cost)
+        return (1 + accepted) / (draft_cost[k] + verify_cost)
 
     here = rate(arm.k)
     return {

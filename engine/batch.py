@@ -223,7 +223,9 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
                 m.accepted_per_position[j] += j < n
         now = clock()
         batch.rounds += 1
-        batch.draft_steps += steps or max(len(d) for d in drafts)
+        round_steps = steps or max(len(d) for d in drafts)
+        batch.draft_steps += round_steps
+        batch.draft_rounds += round_steps > 0
         batch.add_verify(ids.shape[1], now - before_verify)
         for i in live_rows:
             metrics[i].add_verify(ids.shape[1], now - before_verify)

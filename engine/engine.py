@@ -32,6 +32,7 @@ class GenerationMetrics:
     drafted: int = 0
     accepted: int = 0
     draft_steps: int = 0  # drafter calls; a batch drafts one token per row per step
+    draft_rounds: int = 0  # rounds that drafted: the first draft step of a round costs more (cold caches)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
@@ -340,6 +341,7 @@ class SpeculativeEngine:
             if draft:
                 m.drafted += len(draft)
                 m.draft_steps += len(draft)
+                m.draft_rounds += 1
                 m.accepted += n
                 for i in range(len(draft)):
                     m.drafted_per_position[i] += 1

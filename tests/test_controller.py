@@ -99,7 +99,7 @@ class ReplayRecorder(Policy):
 
 
 @pytest.mark.parametrize("budget, expected", [
-    (0.0, [False, True, True, True, False, False, False]),  # one replay after learning, then none
+    (0.0, [False, True, True, False, False, False, False]),  # none after learning: each is charged first
     (1e9, [False, True, True, True, True, True, True]),  # a budget that never runs out
 ])
 def test_counterfactuals_are_replayed_while_learning_then_within_a_time_budget(engine, budget, expected):
@@ -109,7 +109,7 @@ def test_counterfactuals_are_replayed_while_learning_then_within_a_time_budget(e
     for p in PROMPTS[:7]:
         ctl.generate(p, "code", max_new_tokens=8)
     # Request 1 is the OFF baseline (no drafter cost known yet: nothing to estimate); 2 and 3 are
-    # still learning; after that a replay runs only while replays fit in the budget.
+    # still learning; after that a replay runs only while replays, itself included, fit in the budget.
     assert policy.replayed == expected
 
 

@@ -5,7 +5,7 @@ import pytest
 from test_engine import prompts
 
 from autotune.counterfactual import CostModel, arm_rewards, batch_rounds, replay_arm
-from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, GenerationMetrics, NGramDrafter, SamplingParams, SpeculativeEngine
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +22,7 @@ def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine):
             served = engine.generate(prompt, arm, max_new_tokens=max_new).metrics
             rounds = replay_arm(engine, arm, prompt, output, max_new)
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
+            assert sum(k > 0 for k in rounds) == served.draft_rounds, (i, arm)
 
 
 def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):
@@ -32,6 +33,7 @@ def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):
         served = engine.generate_batch(batch, arm, limits).metrics
         rounds = batch_rounds([replay_arm(engine, arm, p, o, n) for p, o, n in zip(batch, outputs, limits)])
         assert (len(rounds), sum(rounds)) == (served.rounds, served.draft_steps), arm
+        assert sum(k > 0 for k in rounds) == served.draft_rounds, arm
 
 
 def test_a_sampled_replay_predicts_rounds_in_expectation(engine):
@@ -62,6 +64,26 @@ def test_estimated_rewards_follow_acceptance_and_cost():
     assert costs.verify_cost(1) == pytest.approx(0.003)
     costs.verify = {1: [0.5, 100.0]}
     assert costs.verify_cost(3) > costs.verify_cost(1)  # one point: a prior slope, never cheaper
+
+
+def test_a_draft_round_is_priced_as_a_first_step_plus_further_steps():
+    # Measured on the demo family: the first step of a round 0.7 ms more than the others
+    # (the target's verify evicted the drafter from the CPU caches).
+    def served(k: int, rounds: int = 20, per_round: float = 0.7e-3, per_step: float = 0.9e-3) -> GenerationMetrics:
+        return GenerationMetrics(rounds=rounds, draft_rounds=rounds, draft_steps=k * rounds,
+                                 draft_s=rounds * (per_round + per_step * k))
+
+    costs = CostModel(discount=1.0)
+    costs.observe(Arm("small", 2), served(2))
+    costs.observe(Arm("small", 2), served(2, rounds=7))
+    assert costs.draft_cost("small", 2) == pytest.approx(2.5e-3)  # one K: its own cost, exactly
+    assert costs.draft_cost("small", 4) == pytest.approx(5.0e-3)  # and per step beyond it
+    costs.observe(Arm("small", 4), served(4, rounds=12))
+    assert costs.draft_cost("small", 8) == pytest.approx(0.7e-3 + 8 * 0.9e-3, rel=0.02)  # not 8 x 1.25 ms
+    assert costs.draft_cost("small", 1) == pytest.approx(1.6e-3, rel=0.02)
+    costs.observe(Arm("small", 1), served(1, per_round=0.5e-3))
+    assert costs.draft_cost("small", 1) == pytest.approx(1.4e-3)  # a K that has run: its own cost
+    assert costs.draft_cost("ngram", 3) is None  # never served
 
 
 def test_arms_whose_drafter_never_ran_get_no_estimate(engine):

@@ -187,6 +187,13 @@ def test_sibling_estimates_follow_the_speculation_model():
     for k in (1, 2, 8):
         assert est[f"small:{k}"][0] == pytest.approx(2.0 * rate[k] / rate[4])
     assert est["small:1"][1] == 0.5 and est["small:8"][1] == 0.25  # extrapolation weighs less
+    # With the cost model's round cost (a first step dearer than the rest), scaled to this
+    # request's 4 ms rounds: 2.5 ms modelled at K=4, so 1.6 x 1 ms at K=1 and 1.6 x 4.5 ms at K=8.
+    m.draft_rounds = 100
+    est = sibling_rewards(m, Arm("small", 4), 2.0, ks=[1, 8], round_cost=lambda k: 0.5e-3 * (1 + k))
+    rate.update({1: 1.8 / 0.0116, 8: (3.0 + 0.1 + 0.05 + 0.025 + 0.0125) / 0.0172})
+    for k in (1, 8):
+        assert est[f"small:{k}"][0] == pytest.approx(2.0 * rate[k] / rate[4])
     assert sibling_rewards(m, OFF, 1.0, ks=[1, 2]) == {}
 
 
