@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import os
 import queue
+import random
+import sqlite3
 import threading
 import time
 import uuid
@@ -64,13 +66,34 @@ def _check_sqlite_file(path: Path) -> None:
             raise StoreError(f"{path} is not a SQLite database (bad header); refusing to open or overwrite it")
 
 
+BUSY_TIMEOUT_S = 60.0
+
+
+def _enter_wal(cursor: sqlite3.Cursor) -> None:
+    """Switch the file to WAL, waiting for other processes doing the same.
+
+    Switching needs an exclusive lock, and when several processes open a new file at once
+    SQLite answers "database is locked" here at once, without calling the busy handler
+    (seen about once in 240 concurrent opens), so we wait and retry ourselves.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.005, 0.05))
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 60000")
-        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        _enter_wal(cur)
         cur.execute("PRAGMA synchronous = NORMAL")
         cur.close()
 

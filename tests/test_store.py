@@ -74,6 +74,29 @@ def test_four_processes_write_concurrently_without_losing_rows(tmp_path):
     assert sorted(versions) == list(range(1, 17))
 
 
+class FlakyCursor:
+    """Answers "database is locked" to the first `locked` calls, as SQLite does when several
+    processes switch a new file to WAL at once (the busy handler is not called there)."""
+
+    def __init__(self, locked: int, error: str = "database is locked") -> None:
+        self.locked, self.error, self.calls = locked, error, 0
+
+    def execute(self, sql: str) -> None:
+        self.calls += 1
+        if self.calls <= self.locked:
+            raise sqlite3.OperationalError(self.error)
+
+
+def test_switching_to_wal_waits_out_a_concurrent_switch_but_not_other_errors():
+    from store.store import _enter_wal
+
+    cursor = FlakyCursor(locked=3)
+    _enter_wal(cursor)
+    assert cursor.calls == 4
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        _enter_wal(FlakyCursor(locked=1, error="disk I/O error"))
+
+
 def test_policy_state_round_trip_resumes_newest_version(tmp_path):
     url = f"sqlite:///{tmp_path / 'p.db'}"
     with Store(url) as s:
