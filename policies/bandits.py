@@ -156,32 +156,39 @@ class BanditPolicy(Policy):
             self.tables[context.key] = self._new_table(context)
         return self.tables[context.key]
 
-    def _with_shared_prior(self, key: str, table: ArmTable) -> ArmTable:
-        """A copy of `table` plus pseudo-observations of each arm's mean in the other classes at
-        the same load (under load the extra verify tokens cost more, so load-1 means would mislead).
+    def _with_shared_prior(self, context: Context, table: ArmTable) -> ArmTable:
+        """A copy of `table` plus pseudo-observations of what the other classes suggest for each arm.
 
         `share_weight` of them while the class has no evidence of its own on an arm, fading as
         its own grows (w^2 / (w + n)): a fixed share kept an arm that is best elsewhere but loses
         here (n-gram lookup on text sampled at T=1) in play long after the class had measured it.
         """
+        key = context.key
         others = [t for k, t in self.tables.items() if k != key and _load_of(k) == _load_of(key)]
-        if not others or self.share_weight <= 0:
+        means = self._shared_means(context, others)
+        if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)
         view.counts = table.counts
-        variance = sum(t.pooled_variance() for t in others) / len(others)
-        for arm, (mean, _) in self._pooled(others).items():
+        variance = (sum(t.pooled_variance() for t in others) / len(others) if others
+                    else table.pooled_variance())
+        for arm, mean in means.items():
             weight = self.share_weight ** 2 / (self.share_weight + table.n(arm))
             view._add(arm, mean, weight)
             view.rows[arm][2] += weight * variance  # spread like the others' rewards
         return view
+
+    def _shared_means(self, context: Context, others: list[ArmTable]) -> dict[str, float]:
+        """Each arm's mean over the other classes at the same load: under load the extra verify
+        tokens cost more, so load-1 means would mislead."""
+        return {arm: mean for arm, (mean, _) in self._pooled(others).items()}
 
     # ----- decisions ----------------------------------------------------------------------
     def choose(self, context: Context) -> Arm:
         table = self.table(context)
         if table.counts[str(OFF)] == 0:
             return OFF  # the class's own baseline comes first: rewards are relative to it
-        view = self._with_shared_prior(context.key, table)
+        view = self._with_shared_prior(context, table)
         guarded = self._guard(view)
         table.guarded = view.guarded
         arm = guarded if guarded is not None else self.by_name[self._pick(view)]
