@@ -146,10 +146,10 @@ def test_after_losses_a_key_plays_an_arm_confidently_faster_than_off_rather_than
         assert str(unconstrained.choose(key)) == "small:1"
 
 
-def trained_on_overlap(**kw):
+def trained_on_overlap():
     """A contextual policy after 400 requests of four classes where ngram:3 pays only on
     repetitive prompts (reward 0.6 + 1.2 x n-gram overlap) and small:2 pays 1.3 everywhere."""
-    policy = make_policy("contextual", ARMS, **kw)
+    policy = make_policy("contextual", ARMS)
     rng = random.Random(0)
     for i in range(400):
         overlap = rng.random()
