@@ -17,7 +17,7 @@ import torch
 from autotune.classes import Request, RequestClass, Workload
 from autotune.controller import AutotuneController, default_arms
 from autotune.counterfactual import CostModel, arm_rewards
-from engine import OFF, Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, make_policy
 from store import Store
 
@@ -44,6 +44,8 @@ def _hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int,
         drafter = engine.drafters[arm.drafter]
         if isinstance(drafter, NGramDrafter):
             kwargs.update(prompt_lookup_num_tokens=arm.k)
+        elif not isinstance(drafter, ModelDrafter):
+            raise ValueError(f"transformers has no counterpart of drafter {arm.drafter!r} to compare with")
         else:
             kwargs.update(assistant_model=drafter.model, num_assistant_tokens=arm.k,
                           num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
@@ -61,7 +63,12 @@ def _compile_total(report: dict[str, dict[str, float]]) -> float:
 
 def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
     """The same models on the default eager path, to measure a compiled engine against."""
-    drafters = {n: d.model if isinstance(d, ModelDrafter) else d for n, d in engine.drafters.items()}
+    def twin(d):  # a drafter of its own: add_drafter gives a model drafter the twin's runner
+        if isinstance(d, HybridDrafter):
+            return HybridDrafter(d.model_drafter.model, d.lookup.max_ngram, d.lookup.min_ngram)
+        return d.model if isinstance(d, ModelDrafter) else d
+
+    drafters = {n: twin(d) for n, d in engine.drafters.items()}
     return SpeculativeEngine(engine.target, drafters, engine.tokenizer, engine.device, engine.dtype, compile=False)
 
 

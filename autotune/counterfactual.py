@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.sampling import probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
@@ -191,9 +191,15 @@ def batch_rounds(per_row: list[list[int]]) -> list[int]:
 
 def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: torch.Tensor | None,
                    sampling: SamplingParams | None) -> tuple[list[list[float]], list[int] | None]:
-    """(chains, tokens proposed) from every position for a model or n-gram drafter (proposed None: always k)."""
+    """(chains, tokens proposed) from every position for a model, n-gram or hybrid drafter (proposed
+    None: always k). A hybrid drafts by lookup wherever lookup proposes, else by its model."""
     if isinstance(drafter, NGramDrafter):
         return ngram_chains(drafter, sequence, start, k, target)
+    if isinstance(drafter, HybridDrafter):
+        looked_up, proposed = ngram_chains(drafter.lookup, sequence, start, k, target)
+        modelled = model_chains(drafter.model_drafter, sequence, start, k, target, sampling)
+        return ([a if n else b for a, n, b in zip(looked_up, proposed, modelled)],
+                [n or k for n in proposed])
     return model_chains(drafter, sequence, start, k, target, sampling), None
 
 
@@ -223,7 +229,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     known = [a for a in arms if a.is_off or costs.draft_cost(a.drafter, a.k) is not None]  # others never served
     longest = {}  # drafter -> its largest K: shorter K replay the same chains
     for arm in known:
-        if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter)):
+        if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter, HybridDrafter)):
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
     starts = [len(prompt) + 1 for prompt, _, _ in requests]

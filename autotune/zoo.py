@@ -300,8 +300,9 @@ def content_hash(folder: Path) -> str:
 
 def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[str] | None = None,
                 ngram: bool = True, compile: bool | None = None, dtype: torch.dtype | None = None):
-    """An engine over a trained family: its target, its drafters (all by default) and n-gram lookup."""
-    from engine import NGramDrafter, SpeculativeEngine
+    """An engine over a trained family: its target, its drafters (all by default), n-gram lookup
+    and, with the distilled drafter, the hybrid of the two (`ngram+distilled`)."""
+    from engine import HybridDrafter, NGramDrafter, SpeculativeEngine
 
     folder = family_dir(folder)
     manifest = json.loads((folder / "family.json").read_text())
@@ -314,6 +315,8 @@ def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[
         engine.add_drafter(name, folder / name)
     if ngram:
         engine.add_drafter("ngram", NGramDrafter(max_ngram=3))
+        if "distilled" in engine.drafters:  # the same weights, a cache of its own
+            engine.add_drafter("ngram+distilled", HybridDrafter(engine.drafters["distilled"].model, max_ngram=3))
     hashes = {name: content_hash(folder / name) for name in [manifest["target"], *names]}
     engine.identity = ";".join(f"{n}@{h}" for n, h in hashes.items())
     engine.model_records = [

@@ -1,14 +1,15 @@
 """Lossless speculative decoding over Hugging Face causal LMs."""
 
 from engine.arms import MAX_K, MIN_K, OFF, Arm
-from engine.drafters import Drafter, ModelDrafter, NGramDrafter
+from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter
 from engine.engine import BatchResult, GenerationMetrics, GenerationResult, SpeculativeEngine
 from engine.errors import EngineError, IncompatibleDrafterError, InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.schedule import ConstantK, HeuristicK, KSchedule
 
 __all__ = [
-    "Arm", "OFF", "BatchResult", "MIN_K", "MAX_K", "Drafter", "ModelDrafter", "NGramDrafter",
+    "Arm", "OFF", "BatchResult", "MIN_K", "MAX_K", "Drafter", "HybridDrafter", "ModelDrafter",
+    "NGramDrafter",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",
     "HeuristicK", "KSchedule",

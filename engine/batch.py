@@ -12,7 +12,9 @@ slots stay in the cache as holes that a per-row mask hides from every later quer
 still sees itself, so no query row is fully masked). Positions are per row, so a row decodes
 exactly as it would alone: greedy output equals the target's own greedy output, and a
 sampled row draws from its own generator in the same order as `SpeculativeEngine.generate`.
-Finished rows leave the batch. Eager only (dynamic cache); model and n-gram drafters (the engine refuses others).
+Finished rows leave the batch. Eager only (dynamic cache); model, n-gram and hybrid drafters (the
+engine refuses others): in a hybrid round, rows whose context repeats take lookup drafts and the
+others share the model's batched steps.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.drafters import ModelDrafter
+from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 
 
@@ -162,9 +164,11 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
         r.done = r.tokens[-1] in eos or r.remaining <= 0
     batch_drafter = None
     fell_back, error = False, None
-    if isinstance(drafter, ModelDrafter):
+    lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
+    model = model_drafter_of(drafter)
+    if model is not None:
         try:
-            batch_drafter = BatchDrafter(drafter, rows)
+            batch_drafter = BatchDrafter(model, rows)
         except Exception as exc:  # speculation must never lose a request
             drafter, fell_back, error = None, True, f"{type(exc).__name__}: {exc}"
     now = clock()
@@ -178,11 +182,20 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
         ks = [max(0, min(k, r.remaining - 1)) if drafter is not None else 0 for r in active]
         drafts, qs = [[] for _ in active], [None] * len(active)
         steps = 0  # batched drafter steps this round
+        from_model = [False] * len(active)
         if drafter is not None and max(ks) > 0:
             try:
                 if batch_drafter is not None:
-                    drafts, qs = batch_drafter.propose(active, ks)
-                    steps = max(ks)
+                    if lookup is not None:
+                        drafts = [lookup.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(active, ks)]
+                    from_model = [kb > 0 and not d for d, kb in zip(drafts, ks)]
+                    model_ks = [kb if m else 0 for kb, m in zip(ks, from_model)]
+                    if max(model_ks) > 0:
+                        model_drafts, model_qs = batch_drafter.propose(active, model_ks)
+                        steps = max(model_ks)
+                        for b in range(len(active)):
+                            if from_model[b]:
+                                drafts[b], qs[b] = model_drafts[b], model_qs[b]
                 else:
                     drafts = [drafter.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(active, ks)]
             except Exception as exc:
@@ -203,8 +216,8 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
             else:
                 n, nxt = verify_sampled(probabilities(logits[b, : len(d) + 1], r.sampling), d, qs[b], r.generator)
             target_cache.forget(b, first_slot + 1 + n)
-            if steps:
-                batch_drafter.rollback(b, r, n, steps)
+            if steps:  # a lookup row kept none of the model's drafts, only its catch-up
+                batch_drafter.rollback(b, r, n if from_model[b] else 0, steps)
             prev = len(r.tokens)
             r.tokens.extend(d[:n])
             r.tokens.append(nxt)
@@ -223,7 +236,7 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
                 m.accepted_per_position[j] += j < n
         now = clock()
         batch.rounds += 1
-        round_steps = steps or max(len(d) for d in drafts)
+        round_steps = max(steps, *map(len, drafts))  # as far as the longest row drafted
         batch.draft_steps += round_steps
         batch.draft_rounds += round_steps > 0
         batch.add_verify(ids.shape[1], now - before_verify)

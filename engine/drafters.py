@@ -63,7 +63,13 @@ class ModelDrafter:
 
     def propose(self, tokens, k, params, generator):
         device = self.model.device
-        step = torch.tensor([tokens[self._seen :]], device=device)  # 1 token, or 2 after a full accept
+        pending = tokens[self._seen :]  # 1 token, 2 after a full accept, more after lookup rounds (hybrid)
+        if self.runner.kind == "compiled":  # compiled drafter steps exist for 1 and 2 tokens only
+            while len(pending) > 2:
+                self.runner.step(torch.tensor([pending[:2]], device=device), self._seen, keep=1)
+                self._seen += 2
+                pending = pending[2:]
+        step = torch.tensor([pending], device=device)
         draft: list[int] = []
         dists = []
         for _ in range(k):
@@ -115,3 +121,51 @@ class NGramDrafter:
 
     def rollback(self, valid_length: int) -> None:
         pass
+
+
+class HybridDrafter:
+    """Prompt lookup where the context repeats itself, a model drafter everywhere else.
+
+    The best single drafter changes within a request: stretches that copy the prompt or loop
+    are drafted for free and at length by lookup, fresh text only by a model. Each round takes
+    lookup's draft when the last `min_match` tokens occurred earlier in the context (a 1-token
+    match is almost always found and seldom right), else the model's. The model's cache skips
+    the lookup rounds and catches up on their tokens in one forward at its next draft, so
+    switching never recomputes the prefix. Lossless like any drafter: each round is verified
+    as usual (a lookup draft is a point mass under rejection sampling).
+    """
+
+    def __init__(self, model: PreTrainedModel | ModelDrafter, max_ngram: int = 3, min_match: int = 2) -> None:
+        self.model_drafter = model if isinstance(model, ModelDrafter) else ModelDrafter(model)
+        self.lookup = NGramDrafter(max_ngram, min_match)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_drafter.vocab_size
+
+    @property
+    def max_length(self) -> int | None:
+        return self.model_drafter.max_length
+
+    @property
+    def tokenizer(self):
+        return self.model_drafter.tokenizer
+
+    def begin(self, prompt: torch.Tensor, max_length: int) -> None:
+        self.model_drafter.begin(prompt, max_length)
+
+    def propose(self, tokens, k, params, generator):
+        draft, _ = self.lookup.propose(tokens, k, params, generator)
+        if draft:
+            return draft, None
+        return self.model_drafter.propose(tokens, k, params, generator)
+
+    def rollback(self, valid_length: int) -> None:
+        self.model_drafter.rollback(valid_length)  # after a lookup round the model is behind: nothing to forget
+
+
+def model_drafter_of(drafter) -> ModelDrafter | None:
+    """The model drafter that runs inside `drafter` (itself, a hybrid's), or None (lookup)."""
+    if isinstance(drafter, HybridDrafter):
+        return drafter.model_drafter
+    return drafter if isinstance(drafter, ModelDrafter) else None

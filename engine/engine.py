@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.arms import MAX_K, OFF, Arm
 from engine.batch import Row, decode_batch
-from engine.drafters import Drafter, ModelDrafter, NGramDrafter
+from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
@@ -172,8 +172,9 @@ class SpeculativeEngine:
             drafter = _load(drafter, self.device, self.dtype)
         if isinstance(drafter, PreTrainedModel):
             drafter = ModelDrafter(_load(drafter, self.device, self.dtype), tokenizer)
-        if isinstance(drafter, ModelDrafter):
-            drafter.runner = ModelRunner(drafter.model, self.cache_kind, self.compiled_cache_len)
+        model = model_drafter_of(drafter)
+        if model is not None:
+            model.runner = ModelRunner(model.model, self.cache_kind, self.compiled_cache_len)
         vocab = getattr(drafter, "vocab_size", None)
         if vocab is not None and vocab != self.vocab_size:
             raise IncompatibleDrafterError(
@@ -212,8 +213,8 @@ class SpeculativeEngine:
             for length in range(1, top + 2):
                 self.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=length)
             for name in {a.drafter for a in arms if not a.is_off}:
-                drafter = self.drafters.get(name)
-                if isinstance(drafter, ModelDrafter):
+                drafter = model_drafter_of(self.drafters.get(name))
+                if drafter is not None:
                     drafter.runner.begin(prompt, prompt.numel() + 2)
                     for length in (1, 2):
                         drafter.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=1)
@@ -223,8 +224,9 @@ class SpeculativeEngine:
         """Seconds each compiled graph's first call took, per model: {"target": {"T->keep": s}, ...}."""
         report = {"target": dict(self.runner.compile_s)}
         for name, drafter in self.drafters.items():
-            if isinstance(drafter, ModelDrafter) and drafter.runner.compile_s:
-                report[name] = dict(drafter.runner.compile_s)
+            model = model_drafter_of(drafter)
+            if model is not None and model.runner.compile_s:
+                report[name] = dict(model.runner.compile_s)
         return report
 
     @property
@@ -391,9 +393,9 @@ class SpeculativeEngine:
             ids = self.encode(prompt)
             drafter = self._check_request(ids.numel(), arm, limit)
             rows.append(Row(ids.tolist(), ids.numel(), limit, sp, self._generator(sp)))
-        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter):
+        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
             raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
-                                      " batches take model and n-gram drafters")
+                                      " batches take model, n-gram and hybrid drafters")
         metrics = [GenerationMetrics(prompt_tokens=r.prompt_len, drafted_per_position=[0] * MAX_K,
                                      accepted_per_position=[0] * MAX_K) for r in rows]
         batch = GenerationMetrics(prompt_tokens=sum(r.prompt_len for r in rows))

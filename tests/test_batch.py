@@ -3,13 +3,13 @@
 import pytest
 from test_engine import AlwaysWrongDrafter, hf_greedy, prompts
 
-from engine import InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import HybridDrafter, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 
 
 @pytest.fixture(scope="module")
 def engine(target, draft_model):
     return SpeculativeEngine(target, {"small": draft_model, "self": target, "ngram": NGramDrafter(max_ngram=3),
-                                      "wrong": AlwaysWrongDrafter(target)})
+                                      "wrong": AlwaysWrongDrafter(target), "hybrid": HybridDrafter(draft_model)})
 
 
 def test_batched_greedy_equals_target_generate_for_every_arm(engine, target):
@@ -17,14 +17,14 @@ def test_batched_greedy_equals_target_generate_for_every_arm(engine, target):
     limits = [9 + 3 * i for i in range(12)]  # rows finish at different rounds and leave the batch
     reference = [hf_greedy(target, p, n) for p, n in zip(batch, limits)]
     accepted = {}
-    for arm in ("off", "small:1", "small:4", "self:8", "ngram:2", "ngram:6"):
+    for arm in ("off", "small:1", "small:4", "self:8", "ngram:2", "ngram:6", "hybrid:4"):
         out = engine.generate_batch(batch, arm, limits)
         assert [r.tokens for r in out] == reference, arm
         accepted[arm] = sum(r.metrics.accepted for r in out)
         assert out.metrics.new_tokens == sum(limits)
         if arm == "self:8":  # the target as its own drafter: every draft kept
             assert all(r.metrics.acceptance == 1.0 for r in out)
-    assert accepted["small:4"] > 0 and accepted["ngram:6"] > 0
+    assert accepted["small:4"] > 0 and accepted["ngram:6"] > 0 and accepted["hybrid:4"] > 0
     assert engine.generate_batch(batch, "self:8", limits).metrics.rounds < engine.generate_batch(
         batch, "off", limits).metrics.rounds
 
@@ -48,7 +48,7 @@ def test_batched_sampling_draws_what_each_request_draws_alone(engine):
     sampler's distribution is tested in test_sampling.py."""
     batch = prompts(8, seed=5)
     params = [SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0, seed=i) for i in range(8)]
-    for arm in ("off", "small:3", "ngram:4"):
+    for arm in ("off", "small:3", "ngram:4", "hybrid:3"):
         alone = [engine.generate(p, arm, 20, s).tokens for p, s in zip(batch, params)]
         assert [r.tokens for r in engine.generate_batch(batch, arm, 20, params)] == alone, arm
 

@@ -4,14 +4,15 @@ is as lossless as the eager one, and compiles everything before serving."""
 import pytest
 from test_engine import hf_greedy, prompts
 
-from engine import NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
-ARMS = ["off", "small:3", "ngram:3"]
+ARMS = ["off", "small:3", "ngram:3", "hybrid:3"]
 
 
 @pytest.fixture(scope="module")
 def compiled(target, draft_model):
-    engine = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3)}, compile=True)
+    drafters = {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "hybrid": HybridDrafter(draft_model)}
+    engine = SpeculativeEngine(target, drafters, compile=True)
     return engine, engine.warm_up(ARMS)
 
 
@@ -20,6 +21,7 @@ def test_warm_up_compiles_every_step_length_and_serving_compiles_nothing_more(co
     assert engine.cache_kind == "compiled"
     assert set(report["target"]) == {"1->1", "2->2", "3->3", "4->4"}  # OFF, and K+1 for K = 1..3
     assert set(report["small"]) == {"1->1", "2->1"}  # 1 token, or 2 after a fully accepted draft
+    assert set(report["hybrid"]) == {"1->1", "2->1"}  # its model catches up on lookup rounds 2 tokens a step
     assert "ngram" not in report  # no model, nothing to compile
     for prompt in prompts(4, seed=2):
         for arm in ARMS:
@@ -29,7 +31,8 @@ def test_warm_up_compiles_every_step_length_and_serving_compiles_nothing_more(co
 
 def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
     engine, _ = compiled
-    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3)})
+    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3),
+                                       "hybrid": HybridDrafter(draft_model)})
     accepted = 0
     for i, prompt in enumerate(prompts(10)):
         max_new = 17 + i % 5  # the last draft crosses max_new_tokens: shorter verify steps
@@ -45,7 +48,8 @@ def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
 
 def test_compiled_sampling_matches_the_eager_engine_draw_for_draw(compiled, target, draft_model):
     engine, _ = compiled
-    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3)})
+    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3),
+                                       "hybrid": HybridDrafter(draft_model)})
     params = SamplingParams(temperature=0.8, seed=5)
     for prompt in prompts(4, seed=9):
         for arm in ARMS:

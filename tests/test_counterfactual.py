@@ -5,20 +5,22 @@ import pytest
 from test_engine import prompts
 
 from autotune.counterfactual import CostModel, arm_rewards, batch_rounds, replay_arm
-from engine import OFF, Arm, GenerationMetrics, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, GenerationMetrics, HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
 
 @pytest.fixture(scope="module")
 def engine(target, draft_model):
     # "self" drafts with the target itself: under sampling every draft is then kept.
-    return SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "self": target})
+    return SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "self": target,
+                                      "hybrid": HybridDrafter(draft_model)})
 
 
 def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine):
     for i, prompt in enumerate(prompts(12, seed=4)):
         max_new = 20 + i % 7
         output = engine.generate(prompt, OFF, max_new_tokens=max_new).tokens
-        for arm in (Arm("small", 1), Arm("small", 3), Arm("small", 8), Arm("ngram", 2), Arm("ngram", 6)):
+        for arm in (Arm("small", 1), Arm("small", 3), Arm("small", 8), Arm("ngram", 2), Arm("ngram", 6),
+                    Arm("hybrid", 3)):
             served = engine.generate(prompt, arm, max_new_tokens=max_new).metrics
             rounds = replay_arm(engine, arm, prompt, output, max_new)
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
@@ -29,7 +31,7 @@ def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):
     batch = prompts(6, seed=8)
     limits = [12 + 3 * i for i in range(6)]
     outputs = [r.tokens for r in engine.generate_batch(batch, OFF, limits)]
-    for arm in (Arm("small", 3), Arm("ngram", 4)):
+    for arm in (Arm("small", 3), Arm("ngram", 4), Arm("hybrid", 4)):
         served = engine.generate_batch(batch, arm, limits).metrics
         rounds = batch_rounds([replay_arm(engine, arm, p, o, n) for p, o, n in zip(batch, outputs, limits)])
         assert (len(rounds), sum(rounds)) == (served.rounds, served.draft_steps), arm
@@ -39,7 +41,7 @@ def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):
 def test_a_sampled_replay_predicts_rounds_in_expectation(engine):
     # Acceptance probabilities are taken along the output sampled, not along each arm's drafts:
     # over 24 requests the predicted rounds land within a few % of the real ones (1-2 % measured).
-    for arm in (Arm("small", 1), Arm("small", 4), Arm("ngram", 3)):
+    for arm in (Arm("small", 1), Arm("small", 4), Arm("ngram", 3), Arm("hybrid", 3)):
         served = predicted = 0
         for i, prompt in enumerate(prompts(24, seed=5)):
             sampling = SamplingParams(temperature=1.0, seed=i)

@@ -7,6 +7,7 @@ from conftest import tiny_llama
 from engine import (
     Arm,
     HeuristicK,
+    HybridDrafter,
     IncompatibleDrafterError,
     InvalidRequestError,
     ModelDrafter,
@@ -64,6 +65,7 @@ def engine(request, target, draft_model):
             "self": target,  # always right
             "wrong": AlwaysWrongDrafter(target),
             "ngram": NGramDrafter(max_ngram=3),
+            "hybrid": HybridDrafter(draft_model),
         },
         static_cache=request.param,
     )
@@ -85,7 +87,22 @@ def test_greedy_equals_target_generate_for_every_drafter_and_k(engine, target):
                     assert result.metrics.acceptance == 1.0
                 if name == "wrong":
                     assert result.metrics.accepted == 0
-    assert accepted["small"] > 0 and accepted["ngram"] > 0
+    assert accepted["small"] > 0 and accepted["ngram"] > 0 and accepted["hybrid"] > 0
+
+
+def test_a_hybrid_drafts_by_lookup_where_the_context_repeats_and_its_model_catches_up_elsewhere(draft_model):
+    hybrid, plain = HybridDrafter(draft_model), ModelDrafter(draft_model)
+    greedy = SamplingParams()
+    prompt = [5, 9, 2, 7, 30, 41]
+    hybrid.begin(torch.tensor(prompt), 64)
+    tokens = prompt + [5, 9]  # "5 9" occurred before: lookup proposes what followed it
+    assert hybrid.propose(tokens, 3, greedy, None) == ([2, 7, 30], None)
+    hybrid.rollback(len(tokens) + 3)
+    tokens += [2, 7, 30, 11, 12]  # lookup's drafts kept, then text that repeats nothing
+    draft, _ = hybrid.propose(tokens, 4, greedy, None)
+    # The model caught up on the 7 tokens it skipped: its drafts are those of a model fed everything.
+    plain.begin(torch.tensor(tokens[:-1]), 64)
+    assert draft == plain.propose(tokens, 4, greedy, None)[0]
 
 
 def test_eos_inside_an_accepted_draft_stops_exactly_there(target):

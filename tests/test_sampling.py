@@ -14,7 +14,7 @@ from conftest import tiny_llama
 from scipy.stats import chisquare
 
 import engine.engine as engine_module
-from engine import NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -63,11 +63,12 @@ def p_value(engine, arm, params, expected):
 
 @pytest.mark.parametrize(
     ("arm", "params"),
-    [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9))],
+    [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9)),
+     ("hybrid:2", SamplingParams(1.0))],  # PROMPT repeats "1 2": the first round is lookup's, later ones the model's
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
     target, drafter = models
-    engine = SpeculativeEngine(target, {"draft": drafter, "ngram": NGramDrafter(2)})
+    engine = SpeculativeEngine(target, {"draft": drafter, "ngram": NGramDrafter(2), "hybrid": HybridDrafter(drafter)})
     stats = engine.generate(PROMPT, arm, max_new_tokens=4, sampling=SamplingParams(1.0, seed=0)).metrics
     assert stats.drafted > 0
     assert p_value(engine, arm, params, exact_joint_of_tokens_2_and_3(target, params)) > ALPHA
