@@ -130,8 +130,9 @@ class HybridDrafter:
     are drafted for free and at length by lookup, fresh text only by a model. Each round takes
     lookup's draft when the last `min_match` tokens occurred earlier in the context (a 1-token
     match is almost always found and seldom right), else the model's. The model's cache skips
-    the lookup rounds and catches up on their tokens in one forward at its next draft, so
-    switching never recomputes the prefix. Lossless like any drafter: each round is verified
+    the lookup rounds and catches up on their tokens at its next draft (one forward; 2 tokens a
+    step on a compiled runner, whose graphs are 1 and 2 tokens wide), so switching never
+    recomputes the prefix. Lossless like any drafter: each round is verified
     as usual (a lookup draft is a point mass under rejection sampling).
     """
 
