@@ -12,7 +12,7 @@ slots stay in the cache as holes that a per-row mask hides from every later quer
 still sees itself, so no query row is fully masked). Positions are per row, so a row decodes
 exactly as it would alone: greedy output equals the target's own greedy output, and a
 sampled row draws from its own generator in the same order as `SpeculativeEngine.generate`.
-Finished rows leave the batch. Eager only (dynamic cache); model, n-gram and hybrid drafters (the
+Finished rows leave the batch. Eager only (kvcache.GrowingCache); model, n-gram and hybrid drafters (the
 engine refuses others): in a hybrid round, rows whose context repeats take lookup drafts and the
 others share the model's batched steps.
 """
@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
+from engine.kvcache import GrowingCache
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 
 
@@ -33,7 +34,7 @@ class BatchCache:
 
     def __init__(self, model: PreTrainedModel, batch: int) -> None:
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = GrowingCache(model.config)
         self.keep = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)  # [B, slots]
 
     @property

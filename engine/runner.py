@@ -1,7 +1,8 @@
 """How one model runs: its KV cache and its decode step, eager or compiled.
 
-- dynamic: transformers' DynamicCache, grown each step and cropped on rollback. The fastest
-  eager path on CPU, where a preallocated cache makes every step attend over its whole length.
+- dynamic: a DynamicCache grown into preallocated buffers (kvcache.GrowingCache), cropped on
+  rollback. The fastest eager path on CPU, where a StaticCache makes every step attend over its
+  whole length.
 - static: a StaticCache allocated per request; rollback just moves the write position back,
   and the next round overwrites the rejected entries (gpt-fast's trick; the causal mask hides
   them until then).
@@ -36,9 +37,11 @@ import types
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache, PreTrainedModel, StaticCache
+from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, StaticCache
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from engine.kvcache import GrowingCache
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
@@ -96,7 +99,7 @@ class ModelRunner:
         self.model = model
         self.kind = cache
         self.compile_s: dict[str, float] = {}  # "T->keep" -> seconds its first (compiling) call took
-        self._cache: DynamicCache | StaticCache | None = None
+        self._cache: GrowingCache | StaticCache | None = None
         self._eager_request = cache != "compiled"  # a compiled runner serves too-long requests eagerly
         if cache == "compiled":
             context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
@@ -128,7 +131,7 @@ class ModelRunner:
             self._cache = StaticCache(config=self.model.config, max_cache_len=max_length)
         else:
             self._eager_request = True
-            self._cache = DynamicCache(config=self.model.config)
+            self._cache = GrowingCache(self.model.config)
         out = self.model(prompt[None], past_key_values=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0]
 

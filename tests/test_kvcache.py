@@ -1,0 +1,35 @@
+"""The growing KV cache gives the logits of a full forward through growth, crops and dropped rows."""
+
+import torch
+from conftest import tiny_llama
+
+from engine import kvcache
+
+
+def test_growing_cache_matches_a_full_forward(monkeypatch):
+    monkeypatch.setattr(kvcache, "MIN_CAPACITY", 4)  # grow many times within a short sequence
+    model = tiny_llama(3, layers=2)
+    tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full = model(tokens, use_cache=False).logits
+        cache = kvcache.GrowingCache(model.config)
+
+        def feed(ids):
+            return model(ids, past_key_values=cache, use_cache=True).logits
+
+        feed(tokens[:, :5])
+        at = 5
+        for width in (1, 3, 2, 7, 1, 4):
+            wrong = (tokens[:, at:at + 3] + 1) % 64  # a rejected draft: fed, then cropped
+            feed(wrong)
+            cache.crop(-3)
+            logits = feed(tokens[:, at:at + width])
+            torch.testing.assert_close(logits, full[:, at:at + width], rtol=1e-4, atol=1e-4)
+            at += width
+        assert cache.get_seq_length() == at
+        assert cache.layers[0]._keys.shape[-2] >= at > 4  # it grew past its first capacity
+
+        rows = torch.tensor([2, 0])  # row 1 finished and leaves the batch
+        cache.batch_select_indices(rows)
+        logits = feed(tokens[rows, at:at + 5])
+        torch.testing.assert_close(logits, full[rows, at:at + 5], rtol=1e-4, atol=1e-4)
