@@ -5,19 +5,25 @@ them all alike. Nothing here asserts speed; the numbers go to a table and to JSO
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
+from transformers import DynamicCache
 
+import engine.batch as engine_batch
+import engine.runner as engine_runner
 from autotune.classes import Request, RequestClass, Workload
 from autotune.controller import AutotuneController, default_arms
 from autotune.counterfactual import CostModel, arm_rewards
 from engine import OFF, Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.kvcache import GrowingCache
 from policies import Context, Policy, make_policy
 from store import Store
 
@@ -186,6 +192,48 @@ def bench_lossless(engine: SpeculativeEngine, classes: dict[str, RequestClass], 
             "identical": identical, "engine_off_identical": off_identical,
             "engine_off_requests": requests // max(len(arms), 1), "max_float32_gap": max(gaps, default=None),
             "divergences": divergences}
+
+
+# ----- bench cache ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def _eager_cache(cache_class):
+    """Serve with `cache_class(config)` as the eager KV cache of single requests and batches."""
+    with mock.patch.object(engine_runner, "GrowingCache", cache_class), \
+            mock.patch.object(engine_batch, "GrowingCache", cache_class):
+        yield
+
+
+def bench_cache(engine: SpeculativeEngine, classes: dict[str, RequestClass],
+                cases: list[tuple[int, str, Arm, int]]) -> dict:
+    """The engine's eager KV cache (GrowingCache) against transformers' DynamicCache, which copies
+    the whole cache into a new tensor every step. Each case (batch size, class, arm, repeats)
+    serves `repeats` different batches (size 1: single requests) with both caches, taking turns;
+    outputs must be identical."""
+    caches = {"dynamic": lambda config: DynamicCache(config=config), "growing": GrowingCache}
+    out, identical = {}, True
+    for size, name, arm, repeats in cases:
+        cls = classes[name]
+        seconds, tokens = dict.fromkeys(caches, 0.0), dict.fromkeys(caches, 0)
+        for i in range(repeats):
+            prompts = [engine.encode(p).tolist() for p in cls.prompts[i * size:(i + 1) * size]]
+            sampling = [SamplingParams(cls.temperature, cls.top_p, seed=j) for j in range(size)]
+            outputs = []
+            for cache in _rotate(list(caches), i):
+                with _eager_cache(caches[cache]):
+                    began = time.perf_counter()
+                    if size == 1:  # the single-request path, which crops rejected drafts
+                        served = [engine.generate(prompts[0], arm, cls.max_new_tokens, sampling[0])]
+                    else:
+                        served = engine.generate_batch(prompts, arm, cls.max_new_tokens, sampling).results
+                    seconds[cache] += time.perf_counter() - began
+                tokens[cache] += sum(r.metrics.new_tokens for r in served)
+                outputs.append([r.tokens for r in served])
+            identical &= outputs[0] == outputs[1]
+        tps = {c: tokens[c] / seconds[c] for c in caches}
+        out[f"batch {size} {name} {arm}"] = {"repeats": repeats,
+                                             "tokens_per_s": {c: round(v, 1) for c, v in tps.items()},
+                                             "growing_vs_dynamic": round(tps["growing"] / tps["dynamic"], 3)}
+    return {"device": device_name(engine), "identical_outputs": identical, "cases": out}
 
 
 # ----- bench arms ----------------------------------------------------------------------------

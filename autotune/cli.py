@@ -1,4 +1,4 @@
-"""`autotune`: demo, tune, inspect, bench engine|lossless|arms|controller|store|limits, zoo train.
+"""`autotune`: demo, tune, inspect, bench engine|lossless|arms|replay|controller|store|limits|cache, zoo train.
 
 Exit codes: 0 success, 1 failure while running, 2 bad usage or bad input, 3 missing or
 unreadable store.
@@ -145,6 +145,12 @@ def cmd_bench(args) -> None:
         if result["dtype"] == "float32" and result["identical"] < result["requests"]:
             raise CheckFailed(f"{result['requests'] - result['identical']} float32 outputs differ from generate()")
         return
+    elif args.what == "cache":
+        sizes = {1: 2, 4: 1} if args.quick else {1: 6, 16: 2, 64: 1}  # batch size -> batches served
+        cases = [(size, name, arm, repeats) for size, repeats in sizes.items() for name in ("code", "creative")
+                 for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
+        result = bench.bench_cache(engine, _classes(args), cases)
+        print(json.dumps(result, indent=2))
     elif args.what == "replay":
         ks = (2, 4) if args.quick else (1, 2, 4, 8)
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
@@ -244,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, store, limits"))
-    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "store", "limits"])
+    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "store", "limits", "cache"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")

@@ -202,3 +202,15 @@ def test_hindsight_picks_the_static_arm_by_time_and_prices_the_oracles_gain():
     assert static == Arm("b", 1)
     assert best == {"x@load1": Arm("a", 1), "y@load1": Arm("b", 1)}
     assert gain == pytest.approx(1.6 / 1.3, abs=1e-3)
+
+
+def test_bench_cache_serves_identically_with_either_cache(small_store, classes):
+    from autotune.bench import bench_cache
+
+    engine, _ = small_store
+    cases = [(1, "rep", Arm("small", 3), 4), (1, "mixed", Arm("ngram", 2), 4), (3, "mixed", Arm("small", 3), 2),
+             (3, "rep", Arm("ngram", 2), 2)]
+    result = bench_cache(engine, classes, cases)
+    assert result["identical_outputs"] is True
+    assert set(result["cases"]) == {"batch 1 rep small:3", "batch 1 mixed ngram:2", "batch 3 mixed small:3",
+                                    "batch 3 rep ngram:2"}
