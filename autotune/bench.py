@@ -207,15 +207,16 @@ def bench_cache(engine: SpeculativeEngine, classes: dict[str, RequestClass],
                 cases: list[tuple[int, str, Arm, int]]) -> dict:
     """The engine's eager KV cache (GrowingCache) against transformers' DynamicCache, which copies
     the whole cache into a new tensor every step. Each case (batch size, class, arm, repeats)
-    serves `repeats` different batches (size 1: single requests) with both caches, taking turns;
-    outputs must be identical."""
+    serves `repeats` batches (size 1: single requests; different prompts while the class has
+    them) with both caches, taking turns; outputs must be identical."""
     caches = {"dynamic": lambda config: DynamicCache(config=config), "growing": GrowingCache}
     out, identical = {}, True
     for size, name, arm, repeats in cases:
         cls = classes[name]
         seconds, tokens = dict.fromkeys(caches, 0.0), dict.fromkeys(caches, 0)
         for i in range(repeats):
-            prompts = [engine.encode(p).tolist() for p in cls.prompts[i * size:(i + 1) * size]]
+            start = i * size % max(1, len(cls.prompts) - size + 1)  # the class's prompts again once used up
+            prompts = [engine.encode(p).tolist() for p in cls.prompts[start:start + size]]
             sampling = [SamplingParams(cls.temperature, cls.top_p, seed=j) for j in range(size)]
             outputs = []
             for cache in _rotate(list(caches), i):

@@ -146,7 +146,7 @@ def cmd_bench(args) -> None:
             raise CheckFailed(f"{result['requests'] - result['identical']} float32 outputs differ from generate()")
         return
     elif args.what == "cache":
-        sizes = {1: 2, 4: 1} if args.quick else {1: 6, 16: 2, 64: 1}  # batch size -> batches served
+        sizes = {1: 2, 4: 1} if args.quick else {1: 8, 16: 4, 64: 3}  # batch size -> batches served
         cases = [(size, name, arm, repeats) for size, repeats in sizes.items() for name in ("code", "creative")
                  for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
         result = bench.bench_cache(engine, _classes(args), cases)
