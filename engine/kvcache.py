@@ -92,6 +92,4 @@ class GrowingCache(DynamicCache):
 
     def __init__(self, config) -> None:
         super().__init__(config=config)
-        if not self.layers:  # a config without layer types: layers are added as they are used
-            self.layer_class_to_replicate = GrowingLayer
         self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
