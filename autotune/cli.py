@@ -151,6 +151,13 @@ def cmd_bench(args) -> None:
                  for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
         result = bench.bench_cache(engine, _classes(args), cases)
         print(json.dumps(result, indent=2))
+    elif args.what == "concurrency":
+        clients, per_client = (8, 2) if args.quick else (args.clients, 4)
+        result = bench.bench_concurrency(engine, _classes(args), clients, per_client, max_batch=clients,
+                                         rounds=1 if args.quick else 2)
+        print(json.dumps(result, indent=2))
+        if not result["identical_greedy_outputs"]:
+            raise CheckFailed("greedy outputs differ between configurations")
     elif args.what == "replay":
         ks = (2, 4) if args.quick else (1, 2, 4, 8)
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
@@ -249,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_tune)
 
-    p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, store, limits"))
-    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "store", "limits", "cache"])
+    p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, store, limits,"
+                                            " cache, concurrency"))
+    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "store", "limits", "cache",
+                                    "concurrency"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")
@@ -265,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-share", type=float, default=0.0,
                    help="bench controller: share of arrivals that are a burst served as one batch")
     p.add_argument("--burst-size", type=int, default=16, help="bench controller: requests per burst")
+    p.add_argument("--clients", type=int, default=16,
+                   help="bench concurrency: client threads, each sending 4 requests one after another")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")

@@ -11,7 +11,8 @@ a teacher-forced forward per model drafter, plus one of the target when sampled,
 greedy request on the demo family and more for a batch or on a compiled engine, so replaying
 every request would cost more than it teaches once the class has settled). What the policy
 learned is saved to the store every `save_every` requests and on close, and loaded again on
-start, so a restarted controller resumes without re-exploring.
+start, so a restarted controller resumes without re-exploring. With `max_batch` > 1, single
+requests from concurrent threads are served together in batches (coalesce.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from autotune.classifier import RequestClassifier
+from autotune.coalesce import Coalescer
 from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from engine import MAX_K, OFF, Arm, GenerationMetrics, InvalidRequestError, SamplingParams, SpeculativeEngine
@@ -68,6 +70,8 @@ class AutotuneController:
         counterfactual_requests: int = 8,
         counterfactual_budget: float = 0.01,
         counterfactual_weight: float = 0.5,
+        max_batch: int = 1,
+        batch_wait_ms: float = 2.0,
         **policy_kwargs,
     ) -> None:
         self.engine = engine
@@ -105,6 +109,8 @@ class AutotuneController:
         self._in_flight = 0
         self._updates = 0
         self._dirty: set[str] = set()
+        # Single requests waiting at the same moment become one batch of their class and sampling.
+        self._coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
         if store is not None:
             for record in engine.model_records:
                 store.register_model(**record)
@@ -140,8 +146,21 @@ class AutotuneController:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> ControlledResult:
-        """Serve one request on the arm the policy picks for its class; learn from it."""
-        return self._serve([prompt], request_class, max_new_tokens, temperature, top_p, [seed])[0]
+        """Serve one request on the arm the policy picks for its class; learn from it.
+
+        With `max_batch` > 1 it may be served in a batch with requests from other threads that
+        wait at the same moment (same class, temperature and top-p); its output is the one it
+        gets alone either way.
+        """
+        if self._coalescer is None:
+            return self._serve([prompt], request_class, [max_new_tokens], temperature, top_p, [seed])[0]
+        ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
+        self.engine.check_request(len(ids), OFF, max_new_tokens)  # not in a batch it would have broken up
+        classified = request_class is None
+        if classified:
+            request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
+        group = (request_class, classified, temperature, top_p)
+        return self._coalescer.submit(group, (ids, max_new_tokens, seed))
 
     def generate_batch(
         self,
@@ -164,20 +183,41 @@ class AutotuneController:
         seeds = seeds if seeds is not None else [None] * len(prompts)
         if len(seeds) != len(prompts):
             raise InvalidRequestError("seeds must have one entry per prompt")
-        return self._serve(prompts, request_class, max_new_tokens, temperature, top_p, seeds)
+        return self._serve(prompts, request_class, [max_new_tokens] * len(prompts), temperature, top_p, seeds)
 
-    def _serve(self, prompts, request_class, max_new_tokens, temperature, top_p, seeds) -> list[ControlledResult]:
+    def _serve_coalesced(self, group, items) -> list:
+        """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
+        request_class, classified, temperature, top_p = group
+        ids, limits, seeds = (list(column) for column in zip(*items))
+        try:
+            return self._serve(ids, request_class, limits, temperature, top_p, seeds, classified)
+        except InvalidRequestError:
+            if len(items) == 1:
+                raise
+        outcomes = []
+        for one, limit, seed in items:
+            try:
+                outcomes.append(self._serve([one], request_class, [limit], temperature, top_p, [seed], classified)[0])
+            except InvalidRequestError as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    def _classify(self, features: dict) -> str:
+        return self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS
+
+    def _serve(self, prompts, request_class, limits, temperature, top_p, seeds,
+               classified: bool = False) -> list[ControlledResult]:
         sampling = [SamplingParams(temperature, top_p, seed) for seed in seeds]
         ids = [self.engine.encode(p).tolist() for p in prompts]
-        features = request_features(ids[0], max_new_tokens, temperature, top_p)  # the first stands for a batch
-        classified = request_class is None
+        features = request_features(ids[0], limits[0], temperature, top_p)  # the first stands for a batch
+        classified = classified or request_class is None
         with self._load_lock:
             self._in_flight += len(ids)
             load = self._in_flight
         try:
             started = time.perf_counter()
-            if classified:
-                request_class = self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS
+            if request_class is None:
+                request_class = self._classify(features)
             context = Context(request_class, load, features)
             with self._policy_lock:
                 arm = self.policy.choose(context)
@@ -188,16 +228,15 @@ class AutotuneController:
             self._check_arm(arm)
             with self._engine_lock, self.gpu.measure() as gpu:
                 if len(ids) == 1:
-                    results = [self.engine.generate(ids[0], arm, max_new_tokens, sampling[0], schedule)]
+                    results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule)]
                     served = results[0].metrics
                 else:
-                    batch = self.engine.generate_batch(ids, arm, max_new_tokens, sampling)
+                    batch = self.engine.generate_batch(ids, arm, limits, sampling)
                     results, served = batch.results, batch.metrics
             goodput = served.tokens_per_s
             reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1)
             learn_started = time.perf_counter()
-            siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, max_new_tokens,
-                                        sampling[0])
+            siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling[0])
             learn_s = time.perf_counter() - learn_started
             with self._policy_lock:
                 self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
@@ -219,7 +258,7 @@ class AutotuneController:
             with self._load_lock:
                 self._in_flight -= len(ids)
 
-    def _other_arms(self, context, arm, reward, schedule, results, served, ids, max_new_tokens, sampling) -> dict:
+    def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits, sampling) -> dict:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
         if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
             return {}
@@ -236,7 +275,7 @@ class AutotuneController:
                 share[0] += served.total_s
             replay = learning or share[1] + share[2] <= self.counterfactual_budget * share[0]
         if replay and steps > 0:
-            requests = [(p, r.tokens, max_new_tokens) for p, r in zip(ids, results)]
+            requests = [(p, r.tokens, limit) for p, r, limit in zip(ids, results, limits)]
             started = time.perf_counter()
             with self._engine_lock:
                 estimates = arm_rewards(self.engine, self.policy.arms, costs, requests, served.prefill_s,

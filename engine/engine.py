@@ -249,7 +249,8 @@ class SpeculativeEngine:
             raise InvalidRequestError(f"prompt token ids out of vocabulary range: {bad[:5]}")
         return torch.tensor(ids, device=self.device)
 
-    def _check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int) -> Drafter | None:
+    def check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int) -> Drafter | None:
+        """Refuse, with a clear error, a request this engine cannot serve on `arm`; its drafter."""
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if self.max_length is not None and prompt_len + max_new_tokens > self.max_length:
@@ -290,7 +291,7 @@ class SpeculativeEngine:
         sampling = sampling or SamplingParams()
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
-        drafter = self._check_request(ids.numel(), arm, max_new_tokens)
+        drafter = self.check_request(ids.numel(), arm, max_new_tokens)
         generator = self._generator(sampling)
 
         m = GenerationMetrics(prompt_tokens=ids.numel())
@@ -391,7 +392,7 @@ class SpeculativeEngine:
         drafter = None
         for prompt, limit, sp in zip(prompts, limits, params):
             ids = self.encode(prompt)
-            drafter = self._check_request(ids.numel(), arm, limit)
+            drafter = self.check_request(ids.numel(), arm, limit)
             rows.append(Row(ids.tolist(), ids.numel(), limit, sp, self._generator(sp)))
         if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
             raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"

@@ -134,6 +134,47 @@ def test_concurrent_requests_from_threads_are_all_served(engine, tmp_path):
         assert max(r.load for r in results) >= 1
 
 
+def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alone(engine, target, tmp_path):
+    too_long = list(range(60)) * 5  # 300 tokens: more than the target's context of 256
+    with Store(f"sqlite:///{tmp_path / 'm.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2), Arm("ngram", 3)],
+                                 max_batch=8, batch_wait_ms=200, min_baseline_steps=4)
+        start = threading.Barrier(8)
+        results, errors = {}, {}
+
+        def worker(i):
+            start.wait()
+            try:
+                results[i] = ctl.generate(too_long if i == 7 else PROMPTS[i], request_class="code",
+                                          max_new_tokens=6 + i)
+            except Exception as exc:
+                errors[i] = exc
+
+        for _ in range(2):  # the second round's requests all arrive while the first are served
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            start.reset()
+            assert sorted(results) == list(range(7)) and list(errors) == [7]
+            assert "exceeds the target's context" in str(errors[7])
+            for i, r in results.items():  # each its own length, the target's own greedy output
+                assert r.tokens == hf_greedy(target, PROMPTS[i], 6 + i)
+            assert max(r.load for r in results.values()) > 1  # served together, keyed on that load
+        ctl.close()
+        assert store.count() == 14
+
+
+def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, target):
+    near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
+    prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
+    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None) for p in prompts])
+    assert "drafter 'small''s context" in str(outcomes[1])
+    assert [outcomes[0].tokens, outcomes[2].tokens] == [hf_greedy(target, p, 4) for p in PROMPTS[:2]]
+
+
 def test_unlabelled_requests_are_classified_from_history(engine, tmp_path):
     with Store(f"sqlite:///{tmp_path / 'k.db'}") as store:
         ctl = AutotuneController(engine, store, policy="thompson", arms=[OFF, Arm("small", 2)])

@@ -214,3 +214,15 @@ def test_bench_cache_serves_identically_with_either_cache(small_store, classes):
     assert result["identical_outputs"] is True
     assert set(result["cases"]) == {"batch 1 rep small:3", "batch 1 mixed ngram:2", "batch 3 mixed small:3",
                                     "batch 3 rep ngram:2"}
+
+
+def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):
+    from autotune.bench import bench_concurrency
+
+    engine, _ = small_store
+    result = bench_concurrency(engine, classes, clients=6, requests_per_client=2, max_batch=6, policies=("ucb",),
+                               rounds=1, progress=lambda _: None)
+    assert result["identical_greedy_outputs"] is True
+    configs = result["configs"]
+    assert set(configs) == {"ucb/batch1", "ucb/batch6"}
+    assert configs["ucb/batch6"]["mean_load"] > 1  # clients of one class were served together

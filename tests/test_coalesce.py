@@ -1,0 +1,57 @@
+"""Requests waiting at the same moment are served together, grouped, in order, errors apart."""
+
+import threading
+import time
+
+import pytest
+
+from autotune.coalesce import Coalescer
+
+
+def test_waiting_requests_of_a_group_are_served_together_in_arrival_order():
+    release = threading.Event()
+    batches = []
+
+    def serve(group, items):
+        batches.append((group, list(items)))
+        if len(batches) == 1:
+            release.wait(5)  # the first batch is still being served while the others arrive
+        return [ValueError(f"bad {i}") if i == 3 else i * 10 for i in items]
+
+    coalescer = Coalescer(serve, max_batch=4, wait_s=0.01)
+    outcomes = {}
+
+    def call(group, item):
+        try:
+            outcomes[item] = coalescer.submit(group, item)
+        except ValueError as exc:
+            outcomes[item] = str(exc)
+
+    threads = []
+    for group, item in [("g", 0), ("g", 1), ("g", 2), ("h", 6), ("g", 3), ("g", 4), ("g", 5), ("h", 7)]:
+        threads.append(threading.Thread(target=call, args=(group, item)))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while len(batches) + len(coalescer._queue) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.001)  # arrivals in a known order
+    release.set()
+    for t in threads:
+        t.join(5)
+    # the oldest waiting request leads; its group fills the batch up to max_batch, other groups wait
+    assert batches == [("g", [0]), ("g", [1, 2, 3, 4]), ("h", [6, 7]), ("g", [5])]
+    assert outcomes == {0: 0, 1: 10, 2: 20, 3: "bad 3", 4: 40, 5: 50, 6: 60, 7: 70}
+
+
+def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_still_runs():
+    calls = []
+
+    def serve(group, items):
+        calls.append(items)
+        if len(calls) == 1:
+            raise RuntimeError("engine down")
+        return items
+
+    coalescer = Coalescer(serve, max_batch=2)
+    with pytest.raises(RuntimeError, match="engine down"):
+        coalescer.submit("g", 1)
+    assert coalescer.submit("g", 2) == 2
