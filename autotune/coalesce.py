@@ -94,5 +94,6 @@ class Coalescer:
                     break
                 self._cv.wait(left)
         batch = [t for t in self._queue if t.group == group][: self.max_batch]
-        self._queue = [t for t in self._queue if not any(t is b for b in batch)]
+        taken = {id(t) for t in batch}
+        self._queue = [t for t in self._queue if id(t) not in taken]
         return batch
