@@ -635,7 +635,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     arms = default_arms(engine)
     controllers = {f"{p}/batch{b}": AutotuneController(engine, policy=p, arms=arms, max_batch=b)
                    for p in policies for b in (1, max_batch)}
-    stats = {name: {"tokens": 0, "seconds": 0.0, "latency": [], "loads": []} for name in controllers}
+    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # served: (tokens, latency, load)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     for r in range(rounds):
         for name in _rotate(list(controllers), r):
@@ -646,9 +646,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                 for j, ids in enumerate(requests):
                     start = time.perf_counter()
                     out = ctl.generate(ids, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p, seed=c * 1000 + j)
-                    s["latency"].append(time.perf_counter() - start)
-                    s["loads"].append(out.load)
-                    s["tokens"] += out.metrics.new_tokens
+                    s["served"].append((out.metrics.new_tokens, time.perf_counter() - start, out.load))  # atomic
                     if cls.temperature == 0:
                         greedy[c, j].add(tuple(out.tokens))
 
@@ -659,12 +657,14 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
             for t in threads:
                 t.join()
             s["seconds"] += time.perf_counter() - start
-            progress(f"  round {r + 1}/{rounds} {name}: {s['tokens'] / s['seconds']:.0f} tokens/s so far")
+            tokens = sum(row[0] for row in s["served"])
+            progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
     out = {}
     for name, s in stats.items():
-        out[name] = {"tokens_per_s": round(s["tokens"] / s["seconds"], 1),
-                     "latency_s_p50": round(statistics.median(s["latency"]), 3),
-                     "latency_s_p99": _p99(s["latency"]), "mean_load": round(statistics.fmean(s["loads"]), 2)}
+        tokens, latency, loads = zip(*s["served"])
+        out[name] = {"tokens_per_s": round(sum(tokens) / s["seconds"], 1),
+                     "latency_s_p50": round(statistics.median(latency), 3),
+                     "latency_s_p99": _p99(latency), "mean_load": round(statistics.fmean(loads), 2)}
     tps = {name: v["tokens_per_s"] for name, v in out.items()}
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
             "rounds": rounds, "max_batch": max_batch, "configs": out,

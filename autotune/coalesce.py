@@ -11,8 +11,8 @@ caller its own result; requests that arrive meanwhile wait for the next batch. T
 static batching, not continuous: a request does not join a batch already decoding.
 
 When requests were arriving together a moment before, the leader first waits up to `wait_s`
-for the rest of them (clients that just got their results send again within microseconds);
-a caller alone never waits.
+for the rest of them (with 16 clients of 4 classes, the default 2 ms gathered a class's four
+clients, `autotune bench concurrency`); a caller alone never waits.
 """
 
 from __future__ import annotations

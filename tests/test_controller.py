@@ -26,6 +26,14 @@ def hf_greedy(model, prompt, n):
 PROMPTS = [[(7 * i + j) % 64 for j in range(6 + i % 5)] for i in range(12)]
 
 
+def run_in_threads(worker, n: int) -> None:
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_serves_learns_and_records_every_request(engine, target, tmp_path):
     url = f"sqlite:///{tmp_path / 'c.db'}"
     arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
@@ -124,11 +132,7 @@ def test_concurrent_requests_from_threads_are_all_served(engine, tmp_path):
             except Exception as exc:  # pragma: no cover - the assertion below reports it
                 errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_in_threads(worker, 8)
         ctl.close()
         assert not errors and len(results) == 8 and store.count() == 8
         assert max(r.load for r in results) >= 1
@@ -151,11 +155,7 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
                 errors[i] = exc
 
         for _ in range(2):  # the second round's requests all arrive while the first are served
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            run_in_threads(worker, 8)
             start.reset()
             assert sorted(results) == list(range(7)) and list(errors) == [7]
             assert "exceeds the target's context" in str(errors[7])
