@@ -50,7 +50,7 @@ class ControlledResult:
     reward: float
     decision_s: float
     learn_s: float  # scoring other arms on this request after serving it (counterfactuals)
-    load: int
+    load: int  # rows served together in each forward pass: 1 alone, the batch size in a batch
     gpu_util: float | None
     gpu_mem_mb: float | None
     fell_back: bool
@@ -105,8 +105,6 @@ class AutotuneController:
         self.gpu = GpuMonitor()
         self._policy_lock = threading.Lock()
         self._engine_lock = threading.Lock()
-        self._load_lock = threading.Lock()
-        self._in_flight = 0
         self._updates = 0
         self._dirty: set[str] = set()
         # Single requests waiting at the same moment become one batch of their class and sampling.
@@ -173,8 +171,8 @@ class AutotuneController:
     ) -> list[ControlledResult]:
         """Serve requests of one class together, one forward pass per round, on one arm.
 
-        The batch is the load: the policy chooses for (class, load bucket of the batch size plus
-        any other request in flight), since extra verify tokens cost more in a large batch. K
+        The batch is the load: the policy chooses for (class, load bucket of the batch size),
+        since extra verify tokens cost more in a large batch. K
         stays constant inside a batch (a policy's K schedule applies to single requests only).
         Every result carries the batch's goodput and reward, which is what the policy learned from.
         """
@@ -211,52 +209,46 @@ class AutotuneController:
         ids = [self.engine.encode(p).tolist() for p in prompts]
         features = request_features(ids[0], limits[0], temperature, top_p)  # the first stands for a batch
         classified = classified or request_class is None
-        with self._load_lock:
-            self._in_flight += len(ids)
-            load = self._in_flight
-        try:
-            started = time.perf_counter()
-            if request_class is None:
-                request_class = self._classify(features)
-            context = Context(request_class, load, features)
-            with self._policy_lock:
-                arm = self.policy.choose(context)
-                if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
-                    arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
-                schedule = self.policy.schedule(context, arm) if len(ids) == 1 else None
-            decision_s = time.perf_counter() - started
-            self._check_arm(arm)
-            with self._engine_lock, self.gpu.measure() as gpu:
-                if len(ids) == 1:
-                    results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule)]
-                    served = results[0].metrics
-                else:
-                    batch = self.engine.generate_batch(ids, arm, limits, sampling)
-                    results, served = batch.results, batch.metrics
-            goodput = served.tokens_per_s
-            reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1)
-            learn_started = time.perf_counter()
-            siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling[0])
-            learn_s = time.perf_counter() - learn_started
-            with self._policy_lock:
-                self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
-                                                         siblings))
-                self._dirty.add(context.key)
-                self._updates += 1
-                if self.store is not None and self._updates % self.save_every == 0:
-                    self._save_locked()
-            out = []
-            for result, sp in zip(results, sampling):
-                if self.store is not None:
-                    self._record(result, request_class, classified, load, goodput, reward, gpu, features, sp)
-                out.append(ControlledResult(
-                    result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
-                    learn_s, load, gpu.util, gpu.mem_mb, result.fell_back,
-                ))
-            return out
-        finally:
-            with self._load_lock:
-                self._in_flight -= len(ids)
+        load = len(ids)  # what prices a round; requests waiting for the engine do not change it
+        started = time.perf_counter()
+        if request_class is None:
+            request_class = self._classify(features)
+        context = Context(request_class, load, features)
+        with self._policy_lock:
+            arm = self.policy.choose(context)
+            if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
+                arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
+            schedule = self.policy.schedule(context, arm) if len(ids) == 1 else None
+        decision_s = time.perf_counter() - started
+        self._check_arm(arm)
+        with self._engine_lock, self.gpu.measure() as gpu:
+            if len(ids) == 1:
+                results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule)]
+                served = results[0].metrics
+            else:
+                batch = self.engine.generate_batch(ids, arm, limits, sampling)
+                results, served = batch.results, batch.metrics
+        goodput = served.tokens_per_s
+        reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1)
+        learn_started = time.perf_counter()
+        siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling[0])
+        learn_s = time.perf_counter() - learn_started
+        with self._policy_lock:
+            self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
+                                                     siblings))
+            self._dirty.add(context.key)
+            self._updates += 1
+            if self.store is not None and self._updates % self.save_every == 0:
+                self._save_locked()
+        out = []
+        for result, sp in zip(results, sampling):
+            if self.store is not None:
+                self._record(result, request_class, classified, load, goodput, reward, gpu, features, sp)
+            out.append(ControlledResult(
+                result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
+                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back,
+            ))
+        return out
 
     def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits, sampling) -> dict:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""

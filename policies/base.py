@@ -13,7 +13,8 @@ from engine import OFF, Arm, KSchedule
 
 
 def load_bucket(load: int) -> str:
-    """Concurrency buckets: the best arm alone on the machine differs from the best under load."""
+    """Buckets of rows decoded together: in a large batch the K extra verify tokens per row are no
+    longer nearly free, so the best arm alone differs from the best under load."""
     if load <= 1:
         return "1"
     return "2-4" if load <= 4 else "5+"
