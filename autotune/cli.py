@@ -124,10 +124,8 @@ def cmd_bench(args) -> None:
     from engine import Arm
 
     if args.what == "limits":
-        from autotune import limits
-
-        engine = limits.llama_shaped_engine(args.device, compile=args.compile) if args.llama_shapes else _engine(args)
-        result = limits.bench_limits(engine, max_k=4 if args.quick else args.max_k)
+        engine = bench.llama_shaped_engine(args.device, compile=args.compile) if args.llama_shapes else _engine(args)
+        result = bench.bench_limits(engine, max_k=4 if args.quick else args.max_k)
         _print_limits(result)
         return _emit(result, args.json)
     engine = _engine(args)
@@ -181,7 +179,7 @@ def cmd_bench(args) -> None:
         for size in sorted({1, args.burst_size} if bursts else {1}):
             if size not in truth:
                 print(f"measuring ground truth per class first (bench arms --batch {size})")
-                arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in (1, 2, 3, 4, 6, 8)]
+                arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in bench.BENCH_KS]
                 truth[size] = bench.bench_arms(engine, classes, arms, 2 if args.quick else args.prompts, batch=size)
         names = list(classes)
         weights = {n: 1.0 for n in names}

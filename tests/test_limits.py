@@ -3,7 +3,7 @@
 import pytest
 from conftest import tiny_llama
 
-from autotune.limits import bench_limits, llama_shaped_engine, weight_bytes_per_step
+from autotune.bench.limits import bench_limits, llama_shaped_engine, weight_bytes_per_step
 from engine import NGramDrafter, SpeculativeEngine
 
 

@@ -16,7 +16,7 @@ import statistics
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from autotune.bench import device_name
+from autotune.bench.common import device_name
 from engine import ModelDrafter, SpeculativeEngine
 from engine.runner import ModelRunner
 

@@ -1,0 +1,22 @@
+"""Benchmarks, one module each, behind `autotune bench <what>`.
+
+Every ratio is measured side by side in one run: the compared methods take turns on the same
+prompts, in rotating order, so a slow moment of a shared machine hits them all alike. Nothing
+here asserts speed; the numbers go to a table and to JSON (docs/measurements.md holds every
+run with its command).
+"""
+
+from autotune.bench.arms import BENCH_KS, bench_arms
+from autotune.bench.cache import bench_cache
+from autotune.bench.common import device_name
+from autotune.bench.concurrency import bench_concurrency
+from autotune.bench.controller import bench_controller, hindsight_arms
+from autotune.bench.engine_speed import bench_engine
+from autotune.bench.limits import bench_limits, llama_shaped_engine
+from autotune.bench.lossless import bench_lossless
+from autotune.bench.replay import bench_replay
+from autotune.bench.store_speed import bench_store
+
+__all__ = ["BENCH_KS", "bench_arms", "bench_cache", "bench_concurrency", "bench_controller", "bench_engine",
+           "bench_limits", "bench_lossless", "bench_replay", "bench_store", "device_name", "hindsight_arms",
+           "llama_shaped_engine"]

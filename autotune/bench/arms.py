@@ -1,0 +1,80 @@
+"""`autotune bench arms`: every class on every arm, side by side, alone or in batches: the
+ground truth the controller has to learn without."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autotune.bench.common import compile_total, device_name, rotate
+from autotune.classes import RequestClass
+from engine import Arm, SamplingParams, SpeculativeEngine
+
+BENCH_KS = (1, 2, 3, 4, 6, 8)
+
+
+def loops(tokens: list[int], min_len: int = 24) -> bool:
+    """The output ends in a short cycle (a weak model's 'import sys' repeated)."""
+    for period in range(1, 17):
+        span = max(min_len, 3 * period)
+        if len(tokens) >= span and all(tokens[-i] == tokens[-i - period] for i in range(1, span - period + 1)):
+            return True
+    return False
+
+
+def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
+               prompts_per_class: int = 6, max_new_tokens: int | None = None, batch: int = 1,
+               progress=print) -> dict:
+    """Every class on every arm, side by side; the ground truth the controller must learn.
+
+    batch > 1 measures the load case: `prompts_per_class // 3` (at least 2) batches of a class's
+    next `batch` prompts, each served together on every arm, arms taking turns.
+    """
+    out = {}
+    compile_report = engine.warm_up(arms) if batch == 1 else {}
+    warm = engine.encode(next(iter(classes.values())).prompts[0]).tolist()
+    for arm in arms:
+        engine.generate(warm, arm, 4)
+    for name, cls in classes.items():
+        stats = {str(a): defaultdict(float) for a in arms}
+        loop_count = 0
+        limit = max_new_tokens or cls.max_new_tokens
+        if batch == 1:
+            prompts = cls.prompts[:prompts_per_class]
+            units = [[engine.encode(p).tolist()] for p in prompts]
+        else:  # different batches: one batch's prompts are not the class
+            prompts = cls.prompts[:batch * max(2, prompts_per_class // 3)]
+            units = [[engine.encode(p).tolist() for p in prompts[i:i + batch]] for i in range(0, len(prompts), batch)]
+        for i, unit in enumerate(units):
+            for arm in rotate(arms, i):
+                sampling = [SamplingParams(cls.temperature, cls.top_p, seed=i * batch + j) for j in range(len(unit))]
+                if batch == 1:
+                    r = engine.generate(unit[0], arm, limit, sampling[0])
+                    rows, m = [r], r.metrics
+                else:
+                    out_batch = engine.generate_batch(unit, arm, limit, sampling)
+                    rows, m = out_batch.results, out_batch.metrics
+                s = stats[str(arm)]
+                s["tokens"] += m.new_tokens
+                s["seconds"] += m.total_s
+                s["drafted"] += m.drafted
+                s["accepted"] += m.accepted
+                s["rounds"] += sum(r.metrics.rounds for r in rows)
+                s["requests"] += len(rows)
+                if arm.is_off:
+                    loop_count += sum(loops(r.tokens) for r in rows)
+        off_tps = stats["off"]["tokens"] / stats["off"]["seconds"]
+        arms_out = {}
+        for arm, s in stats.items():
+            tps = s["tokens"] / s["seconds"]
+            arms_out[arm] = {
+                "acceptance": round(s["accepted"] / s["drafted"], 4) if s["drafted"] else None,
+                "mean_accepted": round((s["tokens"] - s["requests"]) / s["rounds"], 3) if s["rounds"] else None,
+                "tokens_per_s": round(tps, 2),
+                "speedup_vs_off": round(tps / off_tps, 3),
+            }
+        best = max(arms_out, key=lambda a: arms_out[a]["tokens_per_s"])
+        out[name] = {"best_arm": best, "loop_rate": round(loop_count / len(prompts), 3), "arms": arms_out}
+        speedup = arms_out[best]["speedup_vs_off"]
+        progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
+    return {"device": device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
+            "batch": batch, "compile_s_total": compile_total(compile_report), "classes": out}

@@ -1,0 +1,56 @@
+"""What the benchmarks share: turn order, the device's name, a tail percentile, and
+transformers' own `generate()` timed as the reference."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine import Arm, ModelDrafter, NGramDrafter, SpeculativeEngine
+
+
+def rotate(items: list, i: int) -> list:
+    """items starting at the i-th: compared methods take turns going first, so a slow moment of
+    a shared machine does not always land on the same one."""
+    i %= len(items)
+    return items[i:] + items[:i]
+
+
+def device_name(engine: SpeculativeEngine) -> str:
+    if engine.device.type == "cuda":
+        return torch.cuda.get_device_name(engine.device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def p99(values) -> float:
+    ordered = sorted(values)
+    return round(ordered[int(0.99 * (len(ordered) - 1))], 4)
+
+
+def hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, arm: Arm | None):
+    """transformers' own greedy `generate()` (with assisted generation or prompt lookup for `arm`),
+    timed: the reference every engine figure is measured against."""
+    inputs = torch.tensor([ids], device=engine.device)
+    kwargs = dict(attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
+                  pad_token_id=min(engine.eos_token_id, default=0))
+    if arm is not None:
+        drafter = engine.drafters[arm.drafter]
+        if isinstance(drafter, NGramDrafter):
+            kwargs.update(prompt_lookup_num_tokens=arm.k)
+        elif not isinstance(drafter, ModelDrafter):
+            raise ValueError(f"transformers has no counterpart of drafter {arm.drafter!r} to compare with")
+        else:
+            kwargs.update(assistant_model=drafter.model, num_assistant_tokens=arm.k,
+                          num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+    with torch.inference_mode():
+        engine._sync()
+        start = time.perf_counter()
+        out = engine.target.generate(inputs, **kwargs)
+        seconds = engine._sync() - start
+    return out[0, len(ids):].tolist(), seconds
+
+
+def compile_total(report: dict[str, dict[str, float]]) -> float:
+    """Seconds spent compiling, from `SpeculativeEngine.warm_up`'s report."""
+    return round(sum(t for graphs in report.values() for t in graphs.values()), 2)

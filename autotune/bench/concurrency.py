@@ -1,0 +1,72 @@
+"""`autotune bench concurrency`: client threads calling the controller at once, served one at a
+time or coalesced into batches."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import defaultdict
+
+from autotune.bench.common import device_name, p99, rotate
+from autotune.classes import RequestClass
+from autotune.controller import AutotuneController, default_arms
+from engine import SpeculativeEngine
+
+
+def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
+                      requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
+                      rounds: int = 2, progress=print) -> dict:
+    """Clients on threads, each sending its requests one after another, through a controller that
+    serves them one at a time (max_batch 1) or coalesces those waiting together into batches.
+
+    Client c sends requests of class c mod len(classes). Every configuration (policy x max_batch)
+    serves the same requests, configurations taking turns round by round; each keeps its
+    controller (and what it learned) across rounds. Greedy outputs must be identical everywhere.
+    """
+    names = list(classes)
+    plan = []  # per client: its class and the token ids of its requests
+    for c in range(clients):
+        cls = classes[names[c % len(names)]]
+        first = (c // len(names)) * requests_per_client
+        plan.append((cls, [engine.encode(cls.prompts[(first + j) % len(cls.prompts)]).tolist()
+                           for j in range(requests_per_client)]))
+    arms = default_arms(engine)
+    controllers = {f"{p}/batch{b}": AutotuneController(engine, policy=p, arms=arms, max_batch=b)
+                   for p in policies for b in (1, max_batch)}
+    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # served: (tokens, latency, load)
+    greedy: dict[tuple[int, int], set] = defaultdict(set)
+    for r in range(rounds):
+        for name in rotate(list(controllers), r):
+            ctl, s = controllers[name], stats[name]
+
+            def client(c, ctl=ctl, s=s):
+                cls, requests = plan[c]
+                for j, ids in enumerate(requests):
+                    start = time.perf_counter()
+                    out = ctl.generate(ids, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p, seed=c * 1000 + j)
+                    s["served"].append((out.metrics.new_tokens, time.perf_counter() - start, out.load))  # atomic
+                    if cls.temperature == 0:
+                        greedy[c, j].add(tuple(out.tokens))
+
+            threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            s["seconds"] += time.perf_counter() - start
+            tokens = sum(row[0] for row in s["served"])
+            progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
+    out = {}
+    for name, s in stats.items():
+        tokens, latency, loads = zip(*s["served"])
+        out[name] = {"tokens_per_s": round(sum(tokens) / s["seconds"], 1),
+                     "latency_s_p50": round(statistics.median(latency), 3),
+                     "latency_s_p99": p99(latency), "mean_load": round(statistics.fmean(loads), 2)}
+    tps = {name: v["tokens_per_s"] for name, v in out.items()}
+    return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
+            "rounds": rounds, "max_batch": max_batch, "configs": out,
+            "coalesced_vs_one_at_a_time": {p: round(tps[f"{p}/batch{max_batch}"] / tps[f"{p}/batch1"], 3)
+                                           for p in policies},
+            "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}

@@ -1,0 +1,96 @@
+"""`autotune bench engine`: the engine against transformers, side by side on the same prompts.
+
+OFF against `generate()` shows the decode loop adds nothing; the arm against transformers'
+assisted generation (same drafter and K) shows what the engine's speculation is worth; a
+compiled engine also runs against its eager twin.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from autotune.bench.common import compile_total, device_name, hf_generate, rotate
+from engine import OFF, Arm, HybridDrafter, ModelDrafter, SpeculativeEngine
+
+
+def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
+    """The same models on the default eager path, to measure a compiled engine against."""
+    def twin(d):  # a drafter of its own: add_drafter gives a model drafter the twin's runner
+        if isinstance(d, HybridDrafter):
+            return HybridDrafter(d.model_drafter.model, d.lookup.max_ngram, d.lookup.min_ngram)
+        return d.model if isinstance(d, ModelDrafter) else d
+
+    drafters = {n: twin(d) for n, d in engine.drafters.items()}
+    return SpeculativeEngine(engine.target, drafters, engine.tokenizer, engine.device, engine.dtype, compile=False)
+
+
+def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_new_tokens: int = 64) -> dict:
+    """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation.
+
+    A compiled engine is also measured against its eager twin (same models), side by side, and
+    its one-time compile cost is reported; compiling happens before any timing.
+    """
+    encoded = [engine.encode(p).tolist() for p in prompts]
+    totals = defaultdict(float)
+    tokens = defaultdict(int)
+    identical = True
+    spec_metrics = []
+    off_metrics = []
+    methods = ["hf_generate", "engine_off", "hf_assisted", "engine_spec"]
+    engines = {"engine": engine}
+    compile_report = None
+    if engine.cache_kind == "compiled":
+        compile_report = engine.warm_up([OFF, arm])
+        engines["eager"] = eager_twin(engine)
+        methods += ["eager_off", "eager_spec"]
+    warm = encoded[0]  # first calls allocate and pick kernels: keep them out of the timings
+    hf_generate(engine, warm, 8, None)
+    hf_generate(engine, warm, 8, arm)
+    for e in engines.values():
+        e.generate(warm, OFF, 8)
+        e.generate(warm, arm, 8)
+    for i, ids in enumerate(encoded):
+        outputs = {}
+        for method in rotate(methods, i):
+            if method.startswith("hf"):
+                out, seconds = hf_generate(engine, ids, max_new_tokens, arm if method == "hf_assisted" else None)
+            else:
+                which, what = method.split("_")
+                result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens)
+                out, seconds = result.tokens, result.metrics.total_s
+                if which == "engine":
+                    (off_metrics if what == "off" else spec_metrics).append(result.metrics)
+            outputs[method] = out
+            totals[method] += seconds
+            tokens[method] += len(out)
+        identical &= all(o == outputs["hf_generate"] for o in outputs.values())
+    tps = {m: tokens[m] / totals[m] for m in methods}
+    drafted = sum(m.drafted for m in spec_metrics)
+    a = sum(m.accepted for m in spec_metrics) / drafted if drafted else 0.0
+    off_step = sum(m.verify_s for m in off_metrics) / sum(m.rounds for m in off_metrics)
+    c = (sum(m.draft_s for m in spec_metrics) / drafted) / off_step if drafted else 0.0
+    speedup = tps["engine_spec"] / tps["engine_off"]
+    k = arm.k
+    expected = (1 - a ** (k + 1)) / ((1 - a) * (c * k + 1)) if a < 1 else (k + 1) / (c * k + 1)
+    result = {
+        "device": device_name(engine),
+        "cache": engine.cache_kind,
+        "arm": str(arm),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
+        "ratio_off_vs_hf_generate": round(tps["engine_off"] / tps["hf_generate"], 3),
+        "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3),
+        "speedup_vs_off": round(speedup, 3),
+        "off_step_ms": round(off_step * 1000, 3),
+        "acceptance": round(a, 4),
+        "cost_ratio": round(c, 4),
+        "bound_ratio": round(speedup / expected, 3) if expected > 0 else None,
+        "identical_outputs": identical,
+    }
+    if compile_report is not None:
+        result["ratio_off_vs_eager_off"] = round(tps["engine_off"] / tps["eager_off"], 3)
+        result["ratio_spec_vs_eager_spec"] = round(tps["engine_spec"] / tps["eager_spec"], 3)
+        result["compile_s"] = {m: {g: round(t, 2) for g, t in r.items()} for m, r in compile_report.items()}
+        result["compile_s_total"] = compile_total(compile_report)
+    return result
