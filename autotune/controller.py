@@ -26,7 +26,8 @@ from autotune.classifier import RequestClassifier
 from autotune.coalesce import Coalescer
 from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
-from engine import MAX_K, OFF, Arm, GenerationMetrics, InvalidRequestError, SamplingParams, SpeculativeEngine
+from engine import MAX_K, OFF, Arm, GenerationMetrics, InvalidRequestError, SamplingParams, SpeculativeEngine, Streamer
+from engine.streaming import EndsOnce
 from policies import Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 BASELINE_POLICY = "__off_baseline__"
@@ -143,22 +144,29 @@ class AutotuneController:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        streamer: Streamer | None = None,
     ) -> ControlledResult:
         """Serve one request on the arm the policy picks for its class; learn from it.
 
         With `max_batch` > 1 it may be served in a batch with requests from other threads that
         wait at the same moment (same class, temperature and top-p); its output is the one it
-        gets alone either way.
+        gets alone either way. `streamer` (transformers' `TextStreamer`, `TextIteratorStreamer`,
+        ...) gets the output round by round and is ended when the request is done or fails.
         """
-        if self._coalescer is None:
-            return self._serve([prompt], request_class, [max_new_tokens], temperature, top_p, [seed])[0]
-        ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
-        self.engine.check_request(len(ids), OFF, max_new_tokens)  # not in a batch it would have broken up
-        classified = request_class is None
-        if classified:
-            request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
-        group = (request_class, classified, temperature, top_p)
-        return self._coalescer.submit(group, (ids, max_new_tokens, seed))
+        ends = EndsOnce(streamer) if streamer is not None else None
+        try:
+            if self._coalescer is None:
+                return self._serve([prompt], request_class, [max_new_tokens], temperature, top_p, [seed], [ends])[0]
+            ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
+            self.engine.check_request(len(ids), OFF, max_new_tokens)  # not in a batch it would have broken up
+            classified = request_class is None
+            if classified:
+                request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
+            group = (request_class, classified, temperature, top_p)
+            return self._coalescer.submit(group, (ids, max_new_tokens, seed, ends))
+        finally:
+            if ends is not None:
+                ends.end()
 
     def generate_batch(
         self,
@@ -168,34 +176,45 @@ class AutotuneController:
         temperature: float = 0.0,
         top_p: float = 1.0,
         seeds: list[int | None] | None = None,
+        streamers: list[Streamer | None] | None = None,
     ) -> list[ControlledResult]:
         """Serve requests of one class together, one forward pass per round, on one arm.
 
         The batch is the load: the policy chooses for (class, load bucket of the batch size),
-        since extra verify tokens cost more in a large batch. K
-        stays constant inside a batch (a policy's K schedule applies to single requests only).
-        Every result carries the batch's goodput and reward, which is what the policy learned from.
+        since extra verify tokens cost more in a large batch. K stays constant inside a batch (a
+        policy's K schedule applies to single requests only). Every result carries the batch's
+        goodput and reward, which is what the policy learned from. `streamers`: one per prompt
+        (or None), as in `generate`.
         """
-        if not prompts:
-            raise InvalidRequestError("the batch is empty")
-        seeds = seeds if seeds is not None else [None] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise InvalidRequestError("seeds must have one entry per prompt")
-        return self._serve(prompts, request_class, [max_new_tokens] * len(prompts), temperature, top_p, seeds)
+        ends = [EndsOnce(s) if s is not None else None for s in streamers or []]
+        try:
+            if not prompts:
+                raise InvalidRequestError("the batch is empty")
+            seeds = seeds if seeds is not None else [None] * len(prompts)
+            ends = ends or [None] * len(prompts)
+            if len(seeds) != len(prompts) or len(ends) != len(prompts):
+                raise InvalidRequestError("seeds and streamers must have one entry per prompt")
+            limits = [max_new_tokens] * len(prompts)
+            return self._serve(prompts, request_class, limits, temperature, top_p, seeds, ends)
+        finally:
+            for streamer in ends:
+                if streamer is not None:
+                    streamer.end()
 
     def _serve_coalesced(self, group, items) -> list:
         """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
         request_class, classified, temperature, top_p = group
-        ids, limits, seeds = (list(column) for column in zip(*items))
+        ids, limits, seeds, streamers = (list(column) for column in zip(*items))
         try:
-            return self._serve(ids, request_class, limits, temperature, top_p, seeds, classified)
-        except InvalidRequestError:
+            return self._serve(ids, request_class, limits, temperature, top_p, seeds, streamers, classified)
+        except InvalidRequestError:  # refused before decoding: nothing was streamed
             if len(items) == 1:
                 raise
         outcomes = []
-        for one, limit, seed in items:
+        for one, limit, seed, streamer in items:
             try:
-                outcomes.append(self._serve([one], request_class, [limit], temperature, top_p, [seed], classified)[0])
+                outcomes.append(self._serve([one], request_class, [limit], temperature, top_p, [seed], [streamer],
+                                            classified)[0])
             except InvalidRequestError as exc:
                 outcomes.append(exc)
         return outcomes
@@ -203,7 +222,7 @@ class AutotuneController:
     def _classify(self, features: dict) -> str:
         return self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS
 
-    def _serve(self, prompts, request_class, limits, temperature, top_p, seeds,
+    def _serve(self, prompts, request_class, limits, temperature, top_p, seeds, streamers,
                classified: bool = False) -> list[ControlledResult]:
         sampling = [SamplingParams(temperature, top_p, seed) for seed in seeds]
         ids = [self.engine.encode(p).tolist() for p in prompts]
@@ -223,10 +242,10 @@ class AutotuneController:
         self._check_arm(arm)
         with self._engine_lock, self.gpu.measure() as gpu:
             if len(ids) == 1:
-                results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule)]
+                results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule, streamers[0])]
                 served = results[0].metrics
             else:
-                batch = self.engine.generate_batch(ids, arm, limits, sampling)
+                batch = self.engine.generate_batch(ids, arm, limits, sampling, streamers)
                 results, served = batch.results, batch.metrics
         goodput = served.tokens_per_s
         reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1)

@@ -6,11 +6,12 @@ from engine.engine import BatchResult, GenerationMetrics, GenerationResult, Spec
 from engine.errors import EngineError, IncompatibleDrafterError, InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.schedule import ConstantK, HeuristicK, KSchedule
+from engine.streaming import Streamer
 
 __all__ = [
     "Arm", "OFF", "BatchResult", "MIN_K", "MAX_K", "Drafter", "HybridDrafter", "ModelDrafter",
     "NGramDrafter",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",
-    "HeuristicK", "KSchedule",
+    "HeuristicK", "KSchedule", "Streamer",
 ]

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.kvcache import GrowingCache
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
+from engine.streaming import Streamer, put_prompt, put_tokens
 
 
 class BatchCache:
@@ -98,6 +99,7 @@ class Row:
     max_new_tokens: int
     sampling: SamplingParams
     generator: torch.Generator | None
+    streamer: Streamer | None = None
     seen: int = 0  # tokens the drafter's cache holds for this row
     done: bool = False
 
@@ -163,6 +165,8 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
     for b, r in enumerate(rows):
         r.tokens.append(_pick(logits[b], r.sampling, r.generator))
         r.done = r.tokens[-1] in eos or r.remaining <= 0
+        put_prompt(r.streamer, r.tokens[:-1])
+        put_tokens(r.streamer, r.tokens[-1:])
     batch_drafter = None
     fell_back, error = False, None
     lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
@@ -227,6 +231,7 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
                     del r.tokens[prev + j + 1:]
                     r.done = True
                     break
+            put_tokens(r.streamer, r.tokens[prev:])
             r.done = r.done or r.remaining <= 0
             m = metrics[i]
             m.rounds += 1

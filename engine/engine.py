@@ -22,6 +22,7 @@ from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.schedule import ConstantK, KSchedule
+from engine.streaming import Streamer, put_prompt, put_tokens
 
 
 @dataclass
@@ -285,13 +286,26 @@ class SpeculativeEngine:
         max_new_tokens: int = 64,
         sampling: SamplingParams | None = None,
         schedule: KSchedule | None = None,
+        streamer: Streamer | None = None,
     ) -> GenerationResult:
-        """Decode one request on `arm`; the output is the target's own, whatever the arm."""
+        """Decode one request on `arm`; the output is the target's own, whatever the arm.
+
+        `streamer` (transformers' `TextStreamer`, `TextIteratorStreamer`, ...) gets the output as
+        each round commits it (engine/streaming.py).
+        """
         arm = Arm.parse(arm) if isinstance(arm, str) else arm
         sampling = sampling or SamplingParams()
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
         drafter = self.check_request(ids.numel(), arm, max_new_tokens)
+        try:
+            return self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer)
+        finally:
+            if streamer is not None:
+                streamer.end()
+
+    def _decode(self, ids: torch.Tensor, arm: Arm, drafter: Drafter | None, max_new_tokens: int,
+                sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None) -> GenerationResult:
         generator = self._generator(sampling)
 
         m = GenerationMetrics(prompt_tokens=ids.numel())
@@ -304,6 +318,8 @@ class SpeculativeEngine:
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
         tokens.append(self._pick(logits[-1], sampling, generator))
+        put_prompt(streamer, tokens[:-1])
+        put_tokens(streamer, tokens[-1:])
         if drafter is not None:
             drafter.begin(ids, max_length)
         now = self._sync()
@@ -341,6 +357,7 @@ class SpeculativeEngine:
                     del tokens[prev + i + 1 :]
                     done = True
                     break
+            put_tokens(streamer, tokens[prev:])
             if draft:
                 m.drafted += len(draft)
                 m.draft_steps += len(draft)
@@ -372,13 +389,15 @@ class SpeculativeEngine:
         arm: Arm | str = OFF,
         max_new_tokens: int | list[int] = 64,
         sampling: SamplingParams | list[SamplingParams] | None = None,
+        streamers: list[Streamer | None] | None = None,
     ) -> BatchResult:
         """Decode several requests together, in one forward pass per round, on one arm.
 
         Each request's output is the one `generate` gives it alone (see engine/batch.py). The
         time fields of each result are the batch's: prefill, draft and verify time of the rounds
         the request took part in, and total_s when it finished; the batch's own metrics count
-        its rounds, drafter steps and wall time.
+        its rounds, drafter steps and wall time. `streamers`, one per request (or None), get each
+        request's output as its rounds commit it.
         """
         arm = Arm.parse(arm) if isinstance(arm, str) else arm
         if not prompts:
@@ -386,17 +405,26 @@ class SpeculativeEngine:
         count = len(prompts)
         limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * count
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * count
-        if len(limits) != count or len(params) != count:
-            raise InvalidRequestError("max_new_tokens and sampling lists must have one entry per prompt")
+        streamers = streamers if streamers is not None else [None] * count
+        if len(limits) != count or len(params) != count or len(streamers) != count:
+            raise InvalidRequestError("max_new_tokens, sampling and streamers lists must have one entry per prompt")
         rows = []
         drafter = None
-        for prompt, limit, sp in zip(prompts, limits, params):
+        for prompt, limit, sp, streamer in zip(prompts, limits, params, streamers):
             ids = self.encode(prompt)
             drafter = self.check_request(ids.numel(), arm, limit)
-            rows.append(Row(ids.tolist(), ids.numel(), limit, sp, self._generator(sp)))
+            rows.append(Row(ids.tolist(), ids.numel(), limit, sp, self._generator(sp), streamer))
         if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
             raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
                                       " batches take model, n-gram and hybrid drafters")
+        try:
+            return self._decode_batch(rows, arm, drafter)
+        finally:
+            for streamer in streamers:
+                if streamer is not None:
+                    streamer.end()
+
+    def _decode_batch(self, rows: list[Row], arm: Arm, drafter: Drafter | None) -> BatchResult:
         metrics = [GenerationMetrics(prompt_tokens=r.prompt_len, drafted_per_position=[0] * MAX_K,
                                      accepted_per_position=[0] * MAX_K) for r in rows]
         batch = GenerationMetrics(prompt_tokens=sum(r.prompt_len for r in rows))

@@ -173,7 +173,7 @@ def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, targe
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
     prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
-    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None) for p in prompts])
+    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, None) for p in prompts])
     assert "drafter 'small''s context" in str(outcomes[1])
     assert [outcomes[0].tokens, outcomes[2].tokens] == [hf_greedy(target, p, 4) for p in PROMPTS[:2]]
 

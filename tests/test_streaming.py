@@ -1,0 +1,96 @@
+"""Streaming: each request's streamer gets exactly its own output, round by round, and is ended once."""
+
+import pytest
+from test_engine import FailingDrafter, hf_greedy, prompts
+from transformers import TextIteratorStreamer
+
+from autotune.controller import AutotuneController
+from engine import OFF, SpeculativeEngine
+
+
+class Recorder:
+    """transformers' streamer protocol, recording what it is given."""
+
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ends += 1
+
+    @property
+    def prompt(self):
+        return self.puts[0][0] if self.puts else None
+
+    @property
+    def output(self):
+        return [t for chunk in self.puts[1:] for t in chunk]
+
+
+@pytest.fixture(scope="module")
+def engine(target, draft_model):
+    return SpeculativeEngine(target, {"self": target, "small": draft_model, "flaky": FailingDrafter(target, 3)})
+
+
+def test_a_request_streams_its_prompt_then_its_output_as_each_round_commits_it(engine, target):
+    prompt = prompts(3)[2]
+    for arm in ("self:4", "small:3", "off"):
+        streamer = Recorder()
+        result = engine.generate(prompt, arm, max_new_tokens=20, streamer=streamer)
+        assert streamer.prompt == prompt and streamer.output == result.tokens == hf_greedy(target, prompt, 20)
+        assert streamer.ends == 1
+        if arm == "self:4":  # a drafter that is always right commits K + 1 tokens a round
+            assert [len(c) for c in streamer.puts[1:4]] == [1, 5, 5]
+        if arm == "off":
+            assert all(len(c) == 1 for c in streamer.puts[1:])
+
+
+def test_a_drafter_failure_streams_on_without_repeating_a_token(engine, target):
+    engine.drafters["flaky"].calls = 0
+    streamer = Recorder()
+    result = engine.generate(prompts(2, seed=5)[1], "flaky:4", max_new_tokens=30, streamer=streamer)
+    assert result.fell_back and streamer.output == result.tokens == hf_greedy(target, prompts(2, seed=5)[1], 30)
+    assert streamer.ends == 1
+
+
+def test_each_row_of_a_batch_streams_its_own_output(engine, target):
+    batch = prompts(5)
+    streamers = [Recorder() if i != 2 else None for i in range(5)]
+    out = engine.generate_batch(batch, "small:3", [8 + 3 * i for i in range(5)], streamers=streamers)
+    for i, (p, r, s) in enumerate(zip(batch, out.results, streamers)):
+        assert r.tokens == hf_greedy(target, p, 8 + 3 * i)
+        if s is not None:
+            assert s.prompt == p and s.output == r.tokens and s.ends == 1
+
+
+def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_stream(engine, target):
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
+    near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
+    batch = [prompts(3)[0], near_limit, prompts(3)[1]]
+    streamers = [Recorder() for _ in batch]
+    # The batch is refused before decoding (one row over the drafter's context), then each is
+    # served alone: the others stream their output once, the refused one streams nothing.
+    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, s) for p, s in zip(batch, streamers)])
+    assert "drafter 'small''s context" in str(outcomes[1]) and streamers[1].puts == []
+    for i in (0, 2):
+        assert streamers[i].output == outcomes[i].tokens == hf_greedy(target, batch[i], 4)
+
+    served = Recorder()  # through `generate`: ended once, though the engine and the controller both end it
+    assert ctl.generate(batch[0], request_class="code", max_new_tokens=4, streamer=served).tokens == served.output
+    assert served.ends == 1
+    refused = Recorder()  # a request that fails still has its stream ended
+    with pytest.raises(Exception, match="exceeds the target's context"):
+        ctl.generate(list(range(60)) * 5, request_class="code", max_new_tokens=4, streamer=refused)
+    assert refused.puts == [] and refused.ends == 1
+
+
+def test_transformers_text_iterator_streamer_yields_the_requests_text():
+    from autotune.zoo import load_engine
+
+    family = load_engine(device="cpu")
+    ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
+    streamer = TextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = ctl.generate("def parse_args(argv):\n", request_class="code", max_new_tokens=48, streamer=streamer)
+    assert "".join(streamer) == result.text and len(result.text) > 20
