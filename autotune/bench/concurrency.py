@@ -14,6 +14,21 @@ from autotune.controller import AutotuneController, default_arms
 from engine import SpeculativeEngine
 
 
+class FirstOutput:
+    """A streamer that notes when a request's first output token arrives (time to first token)."""
+
+    def __init__(self) -> None:
+        self.puts, self.at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:  # the first put is the prompt
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
                       requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
                       rounds: int = 2, progress=print) -> dict:
@@ -23,6 +38,8 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     Client c sends requests of class c mod len(classes). Every configuration (policy x max_batch)
     serves the same requests, configurations taking turns round by round; each keeps its
     controller (and what it learned) across rounds. Greedy outputs must be identical everywhere.
+    Latency is from a client sending a request to its result; time to first token, to the
+    first output token its streamer got.
     """
     names = list(classes)
     plan = []  # per client: its class and the token ids of its requests
@@ -34,7 +51,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     arms = default_arms(engine)
     controllers = {f"{p}/batch{b}": AutotuneController(engine, policy=p, arms=arms, max_batch=b)
                    for p in policies for b in (1, max_batch)}
-    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # served: (tokens, latency, load)
+    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # served: (tokens, latency, ttft, load)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     for r in range(rounds):
         for name in rotate(list(controllers), r):
@@ -43,9 +60,12 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
             def client(c, ctl=ctl, s=s):
                 cls, requests = plan[c]
                 for j, ids in enumerate(requests):
+                    first = FirstOutput()
                     start = time.perf_counter()
-                    out = ctl.generate(ids, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p, seed=c * 1000 + j)
-                    s["served"].append((out.metrics.new_tokens, time.perf_counter() - start, out.load))  # atomic
+                    out = ctl.generate(ids, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p, seed=c * 1000 + j,
+                                       streamer=first)
+                    s["served"].append((out.metrics.new_tokens, time.perf_counter() - start, first.at - start,
+                                        out.load))  # one append: atomic
                     if cls.temperature == 0:
                         greedy[c, j].add(tuple(out.tokens))
 
@@ -60,10 +80,11 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
             progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
     out = {}
     for name, s in stats.items():
-        tokens, latency, loads = zip(*s["served"])
+        tokens, latency, ttft, loads = zip(*s["served"])
         out[name] = {"tokens_per_s": round(sum(tokens) / s["seconds"], 1),
-                     "latency_s_p50": round(statistics.median(latency), 3),
-                     "latency_s_p99": p99(latency), "mean_load": round(statistics.fmean(loads), 2)}
+                     "latency_s_p50": round(statistics.median(latency), 3), "latency_s_p99": p99(latency),
+                     "ttft_s_p50": round(statistics.median(ttft), 3), "ttft_s_p99": p99(ttft),
+                     "mean_load": round(statistics.fmean(loads), 2)}
     tps = {name: v["tokens_per_s"] for name, v in out.items()}
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
             "rounds": rounds, "max_batch": max_batch, "configs": out,
