@@ -17,9 +17,11 @@ requests from concurrent threads are served together in batches (coalesce.py).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from autotune.classifier import RequestClassifier
@@ -110,6 +112,8 @@ class AutotuneController:
         self._dirty: set[str] = set()
         # Single requests waiting at the same moment become one batch of their class and sampling.
         self._coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
+        self._threads: ThreadPoolExecutor | None = None  # agenerate's, made on first use
+        self._threads_size = max(4, 2 * max_batch)  # a batch being served and the next one gathering
         if store is not None:
             for record in engine.model_records:
                 store.register_model(**record)
@@ -167,6 +171,26 @@ class AutotuneController:
         finally:
             if ends is not None:
                 ends.end()
+
+    async def agenerate(
+        self,
+        prompt: str | list[int],
+        request_class: str | None = None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        streamer: Streamer | None = None,
+    ) -> ControlledResult:
+        """`generate` for asyncio servers: the request runs on one of the controller's threads, so
+        requests awaited together are coalesced as requests from threads are (with `max_batch` >
+        1). Stream with transformers' `AsyncTextIteratorStreamer`."""
+        with self._policy_lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(self._threads_size, thread_name_prefix="autotune")
+        call = functools.partial(self.generate, prompt, request_class, max_new_tokens, temperature, top_p, seed,
+                                 streamer)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def generate_batch(
         self,
@@ -349,7 +373,11 @@ class AutotuneController:
                 self._save_locked()
 
     def close(self) -> None:
-        """Save what was learned and flush every observation to the store."""
+        """Let requests in flight from `agenerate` finish, then save what was learned and flush
+        every observation to the store."""
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
         if self.store is not None:
             self.save()
             self.store.flush()

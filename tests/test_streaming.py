@@ -1,8 +1,12 @@
-"""Streaming: each request's streamer gets exactly its own output, round by round, and is ended once."""
+"""Streaming and asyncio: each request's streamer gets exactly its own output, round by round, and is
+ended once; requests awaited together are served together."""
+
+import asyncio
+import sys
 
 import pytest
 from test_engine import FailingDrafter, hf_greedy, prompts
-from transformers import TextIteratorStreamer
+from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
 
 from autotune.controller import AutotuneController
 from engine import OFF, SpeculativeEngine
@@ -86,11 +90,47 @@ def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_strea
     assert refused.puts == [] and refused.ends == 1
 
 
-def test_transformers_text_iterator_streamer_yields_the_requests_text():
+@pytest.fixture(scope="module")
+def family():
     from autotune.zoo import load_engine
 
-    family = load_engine(device="cpu")
+    return load_engine(device="cpu")  # the committed model family, with its tokenizer
+
+
+def test_transformers_text_iterator_streamer_yields_the_requests_text(family):
     ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
     streamer = TextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = ctl.generate("def parse_args(argv):\n", request_class="code", max_new_tokens=48, streamer=streamer)
     assert "".join(streamer) == result.text and len(result.text) > 20
+
+
+def test_requests_awaited_together_are_coalesced_and_each_gets_its_own_output(engine, target):
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=8, batch_wait_ms=200)
+    batch = prompts(8)
+
+    async def serve():
+        return await asyncio.gather(*(ctl.agenerate(p, request_class="code", max_new_tokens=5 + i)
+                                      for i, p in enumerate(batch)))
+
+    for _ in range(2):  # the controller's threads serve more than one event loop's requests
+        results = asyncio.run(serve())
+        assert [r.tokens for r in results] == [hf_greedy(target, p, 5 + i) for i, p in enumerate(batch)]
+        assert max(r.load for r in results) > 1
+    ctl.close()
+    assert ctl._threads is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="AsyncTextIteratorStreamer needs asyncio.timeout")
+def test_transformers_async_streamer_yields_the_requests_text_while_it_is_served(family):
+    ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
+
+    async def serve():
+        streamer = AsyncTextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        request = asyncio.ensure_future(ctl.agenerate("def parse_args(argv):\n", request_class="code",
+                                                      max_new_tokens=48, streamer=streamer))
+        pieces = [piece async for piece in streamer]
+        return pieces, await request
+
+    pieces, result = asyncio.run(serve())
+    assert "".join(pieces) == result.text and len(pieces) > 1
+    ctl.close()
