@@ -29,7 +29,7 @@ from autotune.coalesce import Coalescer
 from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from engine import MAX_K, OFF, Arm, GenerationMetrics, InvalidRequestError, SamplingParams, SpeculativeEngine, Streamer
-from engine.streaming import EndsOnce
+from engine.streaming import EndsOnce, end_stream
 from policies import Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 BASELINE_POLICY = "__off_baseline__"
@@ -57,6 +57,7 @@ class ControlledResult:
     gpu_util: float | None
     gpu_mem_mb: float | None
     fell_back: bool
+    stream_error: str | None = None  # the request's streamer raised: the output stops there
 
 
 class AutotuneController:
@@ -169,8 +170,7 @@ class AutotuneController:
             group = (request_class, classified, temperature, top_p)
             return self._coalescer.submit(group, (ids, max_new_tokens, seed, ends))
         finally:
-            if ends is not None:
-                ends.end()
+            end_stream(ends)  # a request that failed before streaming still ends its stream
 
     async def agenerate(
         self,
@@ -222,8 +222,7 @@ class AutotuneController:
             return self._serve(prompts, request_class, limits, temperature, top_p, seeds, ends)
         finally:
             for streamer in ends:
-                if streamer is not None:
-                    streamer.end()
+                end_stream(streamer)
 
     def _serve_coalesced(self, group, items) -> list:
         """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
@@ -289,7 +288,7 @@ class AutotuneController:
                 self._record(result, request_class, classified, load, goodput, reward, gpu, features, sp)
             out.append(ControlledResult(
                 result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
-                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back,
+                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error,
             ))
         return out
 

@@ -100,6 +100,7 @@ class Row:
     sampling: SamplingParams
     generator: torch.Generator | None
     streamer: Streamer | None = None
+    stream_error: str | None = None  # its streamer raised: the row leaves the batch
     seen: int = 0  # tokens the drafter's cache holds for this row
     done: bool = False
 
@@ -164,9 +165,8 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
     logits = target_cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
     for b, r in enumerate(rows):
         r.tokens.append(_pick(logits[b], r.sampling, r.generator))
-        r.done = r.tokens[-1] in eos or r.remaining <= 0
-        put_prompt(r.streamer, r.tokens[:-1])
-        put_tokens(r.streamer, r.tokens[-1:])
+        r.stream_error = put_prompt(r.streamer, r.tokens[:-1]) or put_tokens(r.streamer, r.tokens[-1:])
+        r.done = r.tokens[-1] in eos or r.remaining <= 0 or r.stream_error is not None
     batch_drafter = None
     fell_back, error = False, None
     lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
@@ -231,8 +231,8 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
                     del r.tokens[prev + j + 1:]
                     r.done = True
                     break
-            put_tokens(r.streamer, r.tokens[prev:])
-            r.done = r.done or r.remaining <= 0
+            r.stream_error = put_tokens(r.streamer, r.tokens[prev:])
+            r.done = r.done or r.remaining <= 0 or r.stream_error is not None
             m = metrics[i]
             m.rounds += 1
             m.drafted += len(d)

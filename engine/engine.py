@@ -22,7 +22,7 @@ from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.schedule import ConstantK, KSchedule
-from engine.streaming import Streamer, put_prompt, put_tokens
+from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
 
 
 @dataclass
@@ -109,6 +109,7 @@ class GenerationResult:
     text: str | None = None
     fell_back: bool = False  # speculation failed mid-request and OFF finished it
     fallback_error: str | None = None
+    stream_error: str | None = None  # the request's streamer raised: the output stops there
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
@@ -299,10 +300,13 @@ class SpeculativeEngine:
         ids = self.encode(prompt)
         drafter = self.check_request(ids.numel(), arm, max_new_tokens)
         try:
-            return self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer)
-        finally:
-            if streamer is not None:
-                streamer.end()
+            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer)
+        except BaseException:
+            end_stream(streamer)  # the decoding error is the one to raise
+            raise
+        ended = end_stream(streamer)
+        result.stream_error = result.stream_error or ended
+        return result
 
     def _decode(self, ids: torch.Tensor, arm: Arm, drafter: Drafter | None, max_new_tokens: int,
                 sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None) -> GenerationResult:
@@ -318,15 +322,14 @@ class SpeculativeEngine:
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
         tokens.append(self._pick(logits[-1], sampling, generator))
-        put_prompt(streamer, tokens[:-1])
-        put_tokens(streamer, tokens[-1:])
+        result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:])
         if drafter is not None:
             drafter.begin(ids, max_length)
         now = self._sync()
         m.prefill_s = now - start
 
         k = arm.k
-        done = tokens[-1] in self.eos_token_id
+        done = tokens[-1] in self.eos_token_id or result.stream_error is not None
         while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
             draft, q = [], None
@@ -357,7 +360,8 @@ class SpeculativeEngine:
                     del tokens[prev + i + 1 :]
                     done = True
                     break
-            put_tokens(streamer, tokens[prev:])
+            result.stream_error = put_tokens(streamer, tokens[prev:])
+            done = done or result.stream_error is not None
             if draft:
                 m.drafted += len(draft)
                 m.draft_steps += len(draft)
@@ -418,11 +422,15 @@ class SpeculativeEngine:
             raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
                                       " batches take model, n-gram and hybrid drafters")
         try:
-            return self._decode_batch(rows, arm, drafter)
-        finally:
+            out = self._decode_batch(rows, arm, drafter)
+        except BaseException:
             for streamer in streamers:
-                if streamer is not None:
-                    streamer.end()
+                end_stream(streamer)
+            raise
+        for result, row in zip(out.results, rows):
+            ended = end_stream(row.streamer)
+            result.stream_error = row.stream_error or ended
+        return out
 
     def _decode_batch(self, rows: list[Row], arm: Arm, drafter: Drafter | None) -> BatchResult:
         metrics = [GenerationMetrics(prompt_tokens=r.prompt_len, drafted_per_position=[0] * MAX_K,

@@ -9,6 +9,10 @@ decoding stops, also when it fails, so a consumer iterating a `TextIteratorStrea
 waits forever; a request it refuses raises before anything is streamed and is not ended
 there, so a caller may serve it another way (the controller retries a refused batch request
 by request). The controller ends every streamer it was given, whatever happens.
+
+A streamer that raises (a server's client went away) stops its own request where it is: the
+request returns what it has, with `stream_error` saying why, and the other requests of its
+batch go on as if it had finished.
 """
 
 from __future__ import annotations
@@ -24,14 +28,27 @@ class Streamer(Protocol):
     def end(self) -> None: ...
 
 
-def put_prompt(streamer: Streamer | None, prompt: list[int]) -> None:
-    if streamer is not None:
-        streamer.put(torch.tensor([prompt]))
+def put_prompt(streamer: Streamer | None, prompt: list[int]) -> str | None:
+    """Stream the prompt; the streamer's error, if it raised."""
+    return _call(streamer, "put", torch.tensor([prompt])) if streamer is not None else None
 
 
-def put_tokens(streamer: Streamer | None, tokens: list[int]) -> None:
-    if streamer is not None and tokens:
-        streamer.put(torch.tensor(tokens))
+def put_tokens(streamer: Streamer | None, tokens: list[int]) -> str | None:
+    """Stream a round's committed tokens; the streamer's error, if it raised."""
+    return _call(streamer, "put", torch.tensor(tokens)) if streamer is not None and tokens else None
+
+
+def end_stream(streamer: Streamer | None) -> str | None:
+    """End the stream; the streamer's error, if it raised."""
+    return _call(streamer, "end") if streamer is not None else None
+
+
+def _call(streamer: Streamer, method: str, *args) -> str | None:
+    try:
+        getattr(streamer, method)(*args)
+    except Exception as exc:  # the streamer's failure is its request's, never the engine's
+        return f"streamer.{method}() raised {type(exc).__name__}: {exc}"
+    return None
 
 
 class EndsOnce:

@@ -134,3 +134,39 @@ def test_transformers_async_streamer_yields_the_requests_text_while_it_is_served
     pieces, result = asyncio.run(serve())
     assert "".join(pieces) == result.text and len(pieces) > 1
     ctl.close()
+
+
+class GoneAway(Recorder):
+    """A client that disconnects: its streamer raises from the `fail_at`-th put on."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.fail_at = fail_at
+
+    def put(self, value):
+        if len(self.puts) + 1 >= self.fail_at:
+            raise ConnectionResetError("client went away")
+        super().put(value)
+
+
+def test_a_streamer_that_raises_stops_only_its_own_request(engine, target):
+    batch = prompts(4)
+    streamers = [Recorder(), GoneAway(fail_at=3), Recorder(), None]
+    out = engine.generate_batch(batch, "small:3", 20, streamers=streamers)
+    for i in (0, 2, 3):  # the rest of the batch goes on as if the row had finished
+        assert out.results[i].tokens == hf_greedy(target, batch[i], 20) and out.results[i].stream_error is None
+    stopped = out.results[1]
+    assert "ConnectionResetError: client went away" in stopped.stream_error
+    # It keeps what was decoded up to the round whose put failed; the client got the rounds before.
+    assert stopped.tokens == hf_greedy(target, batch[1], 20)[: len(stopped.tokens)] and len(stopped.tokens) < 20
+    assert streamers[1].output == stopped.tokens[: len(streamers[1].output)] != []
+    assert [s.ends for s in streamers[:3]] == [1, 1, 1]
+
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3")
+    gone = GoneAway(fail_at=2)
+    alone = ctl.generate(batch[0], request_class="code", max_new_tokens=20, streamer=gone)
+    assert "went away" in alone.stream_error and alone.tokens == hf_greedy(target, batch[0], 20)[:1]
+    results = ctl.generate_batch(batch, request_class="code", max_new_tokens=20,
+                                 streamers=[GoneAway(3), None, None, None])
+    assert "went away" in results[0].stream_error
+    assert [r.tokens for r in results[1:]] == [hf_greedy(target, p, 20) for p in batch[1:]]
