@@ -172,24 +172,14 @@ class AutotuneController:
         finally:
             end_stream(ends)  # a request that failed before streaming still ends its stream
 
-    async def agenerate(
-        self,
-        prompt: str | list[int],
-        request_class: str | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        streamer: Streamer | None = None,
-    ) -> ControlledResult:
-        """`generate` for asyncio servers: the request runs on one of the controller's threads, so
-        requests awaited together are coalesced as requests from threads are (with `max_batch` >
-        1). Stream with transformers' `AsyncTextIteratorStreamer`."""
+    async def agenerate(self, prompt: str | list[int], request_class: str | None = None, **kwargs) -> ControlledResult:
+        """`generate` (the same keyword arguments) for asyncio servers: the request runs on one of
+        the controller's threads, so requests awaited together are coalesced as requests from
+        threads are (with `max_batch` > 1). Stream with transformers' `AsyncTextIteratorStreamer`."""
         with self._policy_lock:
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(self._threads_size, thread_name_prefix="autotune")
-        call = functools.partial(self.generate, prompt, request_class, max_new_tokens, temperature, top_p, seed,
-                                 streamer)
+        call = functools.partial(self.generate, prompt, request_class, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     def generate_batch(
