@@ -19,6 +19,7 @@ others share the model's batched steps.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -165,8 +166,7 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
     logits = target_cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
     for b, r in enumerate(rows):
         r.tokens.append(_pick(logits[b], r.sampling, r.generator))
-        r.stream_error = put_prompt(r.streamer, r.tokens[:-1]) or put_tokens(r.streamer, r.tokens[-1:])
-        r.done = r.tokens[-1] in eos or r.remaining <= 0 or r.stream_error is not None
+        r.done = r.tokens[-1] in eos or r.remaining <= 0
     batch_drafter = None
     fell_back, error = False, None
     lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
@@ -180,8 +180,9 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
     batch.prefill_s = now - started
     for m in metrics:
         m.prefill_s = batch.prefill_s
+    now += _stream(rows, [r.prompt_len for r in rows], batch, prompt=True)
     live_rows = list(range(len(rows)))  # indexes into rows/metrics, in batch order
-    _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started)
+    _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started - batch.stream_s)
     while live_rows:
         active = [rows[i] for i in live_rows]
         ks = [max(0, min(k, r.remaining - 1)) if drafter is not None else 0 for r in active]
@@ -215,6 +216,7 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
         positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in active])
         first_slot = target_cache.slots
         logits = target_cache.forward(ids, positions, live)
+        prevs = [len(r.tokens) for r in active]
         for b, (i, r, d) in enumerate(zip(live_rows, active, drafts)):
             if r.sampling.greedy:
                 n, nxt = verify_greedy(logits[b, : len(d) + 1], d)
@@ -231,8 +233,7 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
                     del r.tokens[prev + j + 1:]
                     r.done = True
                     break
-            r.stream_error = put_tokens(r.streamer, r.tokens[prev:])
-            r.done = r.done or r.remaining <= 0 or r.stream_error is not None
+            r.done = r.done or r.remaining <= 0
             m = metrics[i]
             m.rounds += 1
             m.drafted += len(d)
@@ -248,10 +249,26 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
         batch.add_verify(ids.shape[1], now - before_verify)
         for i in live_rows:
             metrics[i].add_verify(ids.shape[1], now - before_verify)
-        _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started)
-    batch.total_s = now - started
+        now += _stream(active, prevs, batch)
+        _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started - batch.stream_s)
+    batch.total_s = now - started - batch.stream_s
     batch.new_tokens = sum(len(r.tokens) - r.prompt_len for r in rows)
     return fell_back, error
+
+
+def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> float:
+    """Hand each row's tokens from `starts` on (after its prompt, with `prompt`) to its streamer;
+    the seconds that took, which are the callers' and stay out of the batch's times. A row whose
+    streamer raises is done."""
+    began = time.perf_counter()
+    for r, start in zip(rows, starts):
+        if r.streamer is not None:
+            first = put_prompt(r.streamer, r.tokens[:start]) if prompt else None
+            r.stream_error = first or put_tokens(r.streamer, r.tokens[start:])
+            r.done = r.done or r.stream_error is not None
+    spent = time.perf_counter() - began
+    batch.stream_s += spent
+    return spent
 
 
 def _drop_finished(rows, live_rows: list[int], metrics, target_cache: BatchCache, batch_drafter, elapsed: float):

@@ -41,6 +41,7 @@ class GenerationMetrics:
     verify_s: float = 0.0
     verify_by_width: dict[int, list[float]] = field(default_factory=dict)  # tokens per row -> [seconds, rounds]
     total_s: float = 0.0
+    stream_s: float = 0.0  # in the caller's streamer: left out of every time above, which are the engine's
 
     def add_verify(self, width: int, seconds: float) -> None:
         """A verify round of `width` tokens per row took `seconds`."""
@@ -322,11 +323,13 @@ class SpeculativeEngine:
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
         tokens.append(self._pick(logits[-1], sampling, generator))
-        result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:])
         if drafter is not None:
             drafter.begin(ids, max_length)
         now = self._sync()
         m.prefill_s = now - start
+        if streamer is not None:
+            result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:])
+            now = self._streamed(m, now)
 
         k = arm.k
         done = tokens[-1] in self.eos_token_id or result.stream_error is not None
@@ -360,8 +363,6 @@ class SpeculativeEngine:
                     del tokens[prev + i + 1 :]
                     done = True
                     break
-            result.stream_error = put_tokens(streamer, tokens[prev:])
-            done = done or result.stream_error is not None
             if draft:
                 m.drafted += len(draft)
                 m.draft_steps += len(draft)
@@ -377,11 +378,15 @@ class SpeculativeEngine:
             before = now
             now = self._sync()
             m.add_verify(step.shape[1], now - before)
+            if streamer is not None:
+                result.stream_error = put_tokens(streamer, tokens[prev:])
+                now = self._streamed(m, now)
+                done = done or result.stream_error is not None
 
         m.trim_positions()
         result.tokens = tokens[m.prompt_tokens :]
         m.new_tokens = len(result.tokens)
-        m.total_s = self._sync() - start
+        m.total_s = self._sync() - start - m.stream_s
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         return result
@@ -451,6 +456,14 @@ class SpeculativeEngine:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
             results.append(GenerationResult(tokens, arm, m, text, fell_back, error))
         return BatchResult(results, batch)
+
+    @staticmethod
+    def _streamed(m: GenerationMetrics, since: float) -> float:
+        """Book the time since `since` to the streamer (a slow client must not read as a slow
+        arm to the policy); the new start of the engine's clock."""
+        now = time.perf_counter()
+        m.stream_s += now - since
+        return now
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
         """A sampled request's own random stream (seeded when it gives a seed); None for greedy."""

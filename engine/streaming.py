@@ -10,6 +10,10 @@ waits forever; a request it refuses raises before anything is streamed and is no
 there, so a caller may serve it another way (the controller retries a refused batch request
 by request). The controller ends every streamer it was given, whatever happens.
 
+The time spent in streamers is the caller's, not the engine's: it is booked to `stream_s` and
+left out of prefill, draft, verify and total time, so a slow client never reads as a slow arm
+to the policy that learns from those times.
+
 A streamer that raises (a server's client went away) stops its own request where it is: the
 request returns what it has, with `stream_error` saying why, and the other requests of its
 batch go on as if it had finished.

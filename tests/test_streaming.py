@@ -3,6 +3,7 @@ ended once; requests awaited together are served together."""
 
 import asyncio
 import sys
+import time
 
 import pytest
 from test_engine import FailingDrafter, hf_greedy, prompts
@@ -170,3 +171,20 @@ def test_a_streamer_that_raises_stops_only_its_own_request(engine, target):
                                  streamers=[GoneAway(3), None, None, None])
     assert "went away" in results[0].stream_error
     assert [r.tokens for r in results[1:]] == [hf_greedy(target, p, 20) for p in batch[1:]]
+
+
+class Slow(Recorder):
+    """A streamer that takes 20 ms a put, as a slow client would."""
+
+    def put(self, value):
+        time.sleep(0.02)
+        super().put(value)
+
+
+def test_a_slow_streamers_time_is_kept_out_of_the_engines_timings(engine):
+    # The policy learns from these timings: a slow client must not read as a slow arm.
+    alone = engine.generate(prompts(3)[0], "off", max_new_tokens=10, streamer=Slow()).metrics
+    batch = engine.generate_batch(prompts(3), "small:2", 10, streamers=[Slow(), None, Slow()]).metrics
+    for m in (alone, batch):
+        assert m.stream_s >= 0.02 * 10  # 11 puts alone; in the batch at least 5 per slow row (prompt, first, 3+ rounds)
+        assert m.prefill_s + m.draft_s + m.verify_s < m.stream_s / 2 and m.total_s < m.stream_s / 2
