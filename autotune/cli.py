@@ -1,4 +1,4 @@
-"""`autotune`: demo, tune, inspect, bench engine|lossless|arms|replay|controller|store|limits|cache, zoo train.
+"""`autotune`: demo, tune, inspect, bench (engine, lossless, arms, controller, decisions, ...), zoo train.
 
 Exit codes: 0 success, 1 failure while running, 2 bad usage or bad input, 3 missing or
 unreadable store.
@@ -117,8 +117,11 @@ def _print_limits(result: dict) -> None:
 def cmd_bench(args) -> None:
     from autotune import bench
 
-    if args.what == "store":
-        result = bench.bench_store(1000 if args.quick else 5000)
+    if args.what in ("store", "decisions"):
+        if args.what == "store":
+            result = bench.bench_store(1000 if args.quick else 5000)
+        else:
+            result = bench.bench_decisions(decisions=300 if args.quick else 3000, warmup=100 if args.quick else 500)
         print(json.dumps(result, indent=2))
         return _emit(result, args.json)
     from engine import Arm
@@ -254,10 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_tune)
 
-    p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, store, limits,"
-                                            " cache, concurrency"))
-    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "store", "limits", "cache",
-                                    "concurrency"])
+    p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
+                                            " store, limits, cache, concurrency"))
+    p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
+                                    "limits", "cache", "concurrency"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")

@@ -90,6 +90,32 @@ class ArmTable:
         return table
 
 
+class LoadTotals:
+    """Each arm's count and sum of rewards, and the sum of pooled variances, over every key at one load.
+
+    A decision needs the other keys' evidence at its load; summing them per decision cost
+    O(keys x arms) of Python on the request's path (0.3 ms at 12 keys and 31 arms). With the
+    totals built once per update, after a request is served, a decision subtracts its own key.
+    """
+
+    def __init__(self, tables: list[ArmTable], arms: list[str]) -> None:
+        self.n = {a: sum(t.rows[a][0] for t in tables) for a in arms}
+        self.s = {a: sum(t.rows[a][1] for t in tables) for a in arms}
+        self.variance = sum(t.pooled_variance() for t in tables)
+        self.keys = len(tables)
+
+    def without(self, table: ArmTable) -> tuple[dict[str, float], float | None]:
+        """The other keys' mean per arm (arms with evidence) and their mean variance (None: no other key)."""
+        means = {}
+        for arm, (n, s, _) in table.rows.items():
+            rest = self.n[arm] - n
+            if rest > 1e-9:
+                means[arm] = (self.s[arm] - s) / rest
+        if self.keys <= 1:
+            return means, None
+        return means, (self.variance - table.pooled_variance()) / (self.keys - 1)
+
+
 class BanditPolicy(Policy):
     learns = True
 
@@ -118,6 +144,7 @@ class BanditPolicy(Policy):
         self.rng = random.Random(seed)
         self.tables: dict[str, ArmTable] = {}
         self.priors: dict[str, dict[str, tuple[float, float]]] = {}  # class -> arm -> (mean, weight)
+        self._totals: dict[str, LoadTotals] = {}  # load -> totals over its keys; dropped when one changes
 
     # ----- priors -------------------------------------------------------------------------
     def set_prior(self, request_class: str, priors: dict[str, tuple[float, float]]) -> None:
@@ -154,7 +181,14 @@ class BanditPolicy(Policy):
     def table(self, context: Context) -> ArmTable:
         if context.key not in self.tables:
             self.tables[context.key] = self._new_table(context)
+            self._totals.pop(_load_of(context.key), None)
         return self.tables[context.key]
+
+    def _load_totals(self, load: str) -> LoadTotals:
+        if load not in self._totals:
+            tables = [t for k, t in self.tables.items() if _load_of(k) == load]
+            self._totals[load] = LoadTotals(tables, self.arm_names)
+        return self._totals[load]
 
     def _with_shared_prior(self, context: Context, table: ArmTable) -> ArmTable:
         """A copy of `table` plus pseudo-observations of what the other classes suggest for each arm.
@@ -163,25 +197,23 @@ class BanditPolicy(Policy):
         its own grows (w^2 / (w + n)): a fixed share kept an arm that is best elsewhere but loses
         here (n-gram lookup on text sampled at T=1) in play long after the class had measured it.
         """
-        key = context.key
-        others = [t for k, t in self.tables.items() if k != key and _load_of(k) == _load_of(key)]
+        others, variance = self._load_totals(_load_of(context.key)).without(table)
         means = self._shared_means(context, others)
         if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)
         view.counts = table.counts
-        variance = (sum(t.pooled_variance() for t in others) / len(others) if others
-                    else table.pooled_variance())
+        variance = table.pooled_variance() if variance is None else variance
         for arm, mean in means.items():
             weight = self.share_weight ** 2 / (self.share_weight + table.n(arm))
             view._add(arm, mean, weight)
             view.rows[arm][2] += weight * variance  # spread like the others' rewards
         return view
 
-    def _shared_means(self, context: Context, others: list[ArmTable]) -> dict[str, float]:
-        """Each arm's mean over the other classes at the same load: under load the extra verify
-        tokens cost more, so load-1 means would mislead."""
-        return {arm: mean for arm, (mean, _) in self._pooled(others).items()}
+    def _shared_means(self, context: Context, others: dict[str, float]) -> dict[str, float]:
+        """Each arm's mean over the other classes at the same load (`others`): under load the
+        extra verify tokens cost more, so load-1 means would mislead."""
+        return others
 
     # ----- decisions ----------------------------------------------------------------------
     def choose(self, context: Context) -> Arm:
@@ -245,6 +277,9 @@ class BanditPolicy(Policy):
             # OFF is the baseline: it earns exactly `safety`, whatever noise its own timing had.
             earned = 1.0 if arm.is_off else outcome.reward
             table.margin = table.margin * self.discount + earned - (1.0 - self.safety)
+        load = _load_of(context.key)
+        self._totals.pop(load, None)
+        self._load_totals(load)  # rebuilt now, after the request was served, not in the next decision
 
     # ----- persistence --------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict]:
@@ -253,6 +288,7 @@ class BanditPolicy(Policy):
     def load_state_dict(self, state: dict[str, dict]) -> None:
         for key, table_state in state.items():
             self.tables[key] = ArmTable.from_dict(self.arm_names, table_state)
+        self._totals.clear()
 
 
 class UCBPolicy(BanditPolicy):

@@ -10,13 +10,14 @@ outweighs it as it grows, and the guard and conservative exploration apply from 
 request. (An earlier version let the feature model choose outright for a class's first 20
 requests; a class seen only in bursts, one update per batch, never left that phase and
 played the model's unguarded guesses: 0.83 of the oracle under load, against 0.94 for
-thompson.) Predictions are a numpy dot product per arm, so a decision stays in
+thompson.) Predictions for all arms are one matrix product, so a decision stays in
 microseconds; refits happen in `update`, every `refit_every` requests.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import scipy.sparse
 from sklearn.linear_model import Ridge
 
 from engine import Arm
@@ -43,9 +44,10 @@ class ContextualPolicy(ThompsonPolicy):
         self.max_history = max_history
         self.alpha = alpha
         self.history: list[tuple[list[float], str, float, float]] = []  # (features, arm, reward, weight)
-        self.models: dict[str, tuple[np.ndarray, float, float, float]] = {}  # arm -> (w, b, lowest, highest)
-        self.center = np.zeros(len(FEATURES))
-        self.scale = np.ones(len(FEATURES))
+        # One ridge line per arm with enough rows, on the raw features, stacked so that a decision
+        # predicts every arm in one matrix product: (arm names, weights [arms, features],
+        # intercepts, lowest and highest reward fitted).
+        self.lines: tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._since_refit = 0
 
     def _new_table(self, context: Context) -> ArmTable:
@@ -55,40 +57,68 @@ class ContextualPolicy(ThompsonPolicy):
             return super()._new_table(context)
         return ArmTable(self.arm_names)
 
-    def _shared_means(self, context: Context, others: list[ArmTable]) -> dict[str, float]:
-        means = super()._shared_means(context, others)
-        if self.models:
-            x = (np.asarray(feature_vector(context)) - self.center) / self.scale
+    def _shared_means(self, context: Context, others: dict[str, float]) -> dict[str, float]:
+        means = dict(others)
+        if self.lines:
+            names, weights, intercepts, lowest, highest = self.lines
+            x = np.asarray(feature_vector(context))
             # Clipped to the rewards the arm was fitted on: a line extrapolated past them is a guess.
-            means.update({arm: min(max(float(x @ w) + b, lowest), highest)
-                          for arm, (w, b, lowest, highest) in self.models.items()})
+            means.update(zip(names, np.clip(weights @ x + intercepts, lowest, highest).tolist()))
         return means
 
     def update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
         super().update(context, arm, outcome)
         x = feature_vector(context)
-        self.history.append((x, str(arm), outcome.reward, 1.0))
-        self.history += [(x, sibling, estimate, weight) for sibling, (estimate, weight) in outcome.siblings.items()
-                         if sibling in self.by_name]
+        rows = [(x, str(arm), outcome.reward, 1.0)]
+        rows += [(x, sibling, estimate, weight) for sibling, (estimate, weight) in outcome.siblings.items()
+                 if sibling in self.by_name]
+        self.history += rows
         del self.history[: -self.max_history]
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self.refit()
 
     def refit(self) -> None:
+        """Fit every arm's line on its rows of the history, as one ridge regression.
+
+        Each arm's features, centered on the arm's own weighted means, fill a block of columns of
+        their own (a sparse design), so the penalized least squares separate by arm: each block's
+        solution is the line a separate fit per arm gives, intercept unpenalized. One fit costs
+        ~4 ms; a fit per arm cost ~1 ms each, a 40 ms stall under the policy lock at 31 arms.
+        Features are standardized for the fit, so the penalty weighs them alike.
+        """
         self._since_refit = 0
         X = np.asarray([h[0] for h in self.history])
-        self.center, self.scale = X.mean(0), X.std(0) + 1e-6
-        Xs = (X - self.center) / self.scale
-        arms = np.asarray([h[1] for h in self.history])
+        names = np.asarray([h[1] for h in self.history])
         y = np.asarray([h[2] for h in self.history])
         weights = np.asarray([h[3] for h in self.history])
-        self.models = {}
-        for arm in set(arms.tolist()):
-            mask = arms == arm
-            if mask.sum() >= MIN_ARM_ROWS:
-                model = Ridge(alpha=self.alpha).fit(Xs[mask], y[mask], sample_weight=weights[mask])
-                self.models[arm] = (model.coef_, float(model.intercept_), float(y[mask].min()), float(y[mask].max()))
+        center, scale = X.mean(0), X.std(0) + 1e-6
+        X = (X - center) / scale
+        arms = sorted(a for a in set(names.tolist()) if (names == a).sum() >= MIN_ARM_ROWS)
+        if not arms:
+            self.lines = None
+            return
+        features = X.shape[1]
+        block = np.full(len(y), -1)
+        x_means, y_means = np.zeros((len(arms), features)), np.zeros(len(arms))
+        lowest, highest = np.zeros(len(arms)), np.zeros(len(arms))
+        for i, arm in enumerate(arms):
+            rows = names == arm
+            block[rows] = i
+            x_means[i] = np.average(X[rows], axis=0, weights=weights[rows])
+            y_means[i] = np.average(y[rows], weights=weights[rows])
+            lowest[i], highest[i] = y[rows].min(), y[rows].max()
+        fitted = block >= 0
+        block, X, y, weights = block[fitted], X[fitted], y[fitted], weights[fitted]
+        design = scipy.sparse.csr_matrix(
+            ((X - x_means[block]).ravel(),
+             (np.repeat(np.arange(len(y)), features), (block[:, None] * features + np.arange(features)).ravel())),
+            shape=(len(y), len(arms) * features))
+        model = Ridge(alpha=self.alpha, fit_intercept=False, solver="cholesky")
+        coefs = model.fit(design, y - y_means[block], sample_weight=weights).coef_.reshape(len(arms), features)
+        slopes = coefs / scale  # on raw features: y = y_mean + coef . ((x - center) / scale - x_mean)
+        intercepts = y_means - (coefs * x_means).sum(1) - slopes @ center
+        self.lines = (arms, slopes, intercepts, lowest, highest)
 
     def state_dict(self) -> dict[str, dict]:
         state = super().state_dict()

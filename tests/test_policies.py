@@ -101,6 +101,44 @@ def test_resumes_from_saved_state_without_re_exploring(name):
     assert Counter(chosen)["small:2"] >= 25
 
 
+def assert_decisions_see_the_other_keys_as_they_are(policy, contexts):
+    for context in contexts:
+        table = policy.table(context)
+        load = context.key.partition("@")[2]
+        others = [t for k, t in policy.tables.items() if k != context.key and k.partition("@")[2] == load]
+        view = policy._with_shared_prior(context, table)
+        for arm in policy.arm_names:
+            n = sum(t.rows[arm][0] for t in others)
+            if n < 1e-9:
+                assert view.rows[arm] == table.rows[arm]
+                continue
+            mean = sum(t.rows[arm][1] for t in others) / n
+            weight = policy.share_weight ** 2 / (policy.share_weight + table.n(arm))
+            variance = sum(t.pooled_variance() for t in others) / len(others)
+            assert view.rows[arm][0] == pytest.approx(table.rows[arm][0] + weight)
+            assert view.rows[arm][1] == pytest.approx(table.rows[arm][1] + weight * mean)
+            assert view.rows[arm][2] == pytest.approx(table.rows[arm][2] + weight * (mean * mean + variance))
+
+
+def test_a_decision_sees_the_other_keys_at_its_load_as_they_are_now():
+    """Decisions subtract their own key from per-load totals built at update time; whatever the
+    order of updates, new keys and a restore, that must equal summing the other keys afresh."""
+    policy = make_policy("ucb", ARMS)
+    rng = random.Random(3)
+    contexts = [Context(c, load) for c in ("code", "docs", "edit") for load in (1, 3, 9)]
+    for step in range(120):
+        context = rng.choice(contexts[: 3 + step // 20])  # keys join as the stream goes on
+        arm = policy.choose(context)
+        siblings = {"small:8": (rng.uniform(0.8, 1.6), 0.5)} if arm == Arm("small", 2) else {}
+        policy.update(context, arm, Outcome(100.0, rng.uniform(0.6, 1.6), siblings=siblings))
+        if step == 40:
+            saved = json.loads(json.dumps(policy.state_dict()))
+        if step == 80:
+            policy.load_state_dict(saved)  # rewound to an older store
+            assert_decisions_see_the_other_keys_as_they_are(policy, contexts[:7])
+    assert_decisions_see_the_other_keys_as_they_are(policy, contexts)  # the last one is new here
+
+
 def test_a_new_class_starts_from_pooled_statistics():
     policy = make_policy("thompson", ARMS)
     simulate(policy, means_with_best("small:8"), 200, context=Context("code"))
@@ -186,6 +224,38 @@ def test_contextual_policy_follows_a_class_whose_own_rewards_contradict_its_feat
     chosen = simulate(policy, means, 16, context=liar, noise=0.1)
     assert chosen[0] == "off" and chosen[1] == "ngram:3"  # the features' pick first
     assert "ngram:3" not in chosen[-8:]
+
+
+def test_contextual_policy_fits_each_arm_as_its_own_ridge_line_in_one_fit():
+    """The one block-sparse fit must give each arm the line a separate fit on its rows gives."""
+    import numpy as np
+    from sklearn.linear_model import Ridge
+
+    from policies.contextual import feature_vector
+
+    rng = random.Random(4)
+    policy = make_policy("contextual", ARMS, refit_every=10_000)
+    for _ in range(90):
+        features = {"prompt_tokens": rng.randint(10, 400), "ngram_overlap": rng.random(),
+                    "temperature": rng.choice([0.0, 0.7, 1.0])}
+        arm = rng.choice(ARMS[:3])
+        reward = 0.8 + ARMS.index(arm) * 0.1 + 0.4 * features["ngram_overlap"] + rng.gauss(0, 0.1)
+        siblings = {"ngram:3": (1.0 - 0.3 * features["ngram_overlap"], 0.5)}  # weighted rows
+        policy.update(Context("code", rng.choice([1, 3]), features), arm, Outcome(100.0, reward, siblings=siblings))
+    policy.refit()
+    X = np.asarray([h[0] for h in policy.history])
+    scaled = (X - X.mean(0)) / (X.std(0) + 1e-6)
+    probe = Context("new", 2, {"prompt_tokens": 250, "ngram_overlap": 0.3, "temperature": 0.7})
+    x = (np.asarray(feature_vector(probe)) - X.mean(0)) / (X.std(0) + 1e-6)
+    predicted = policy._shared_means(probe, {})
+    assert set(predicted) == {"small:1", "small:2", "small:4", "ngram:3"}
+    for arm, mean in predicted.items():
+        rows = [i for i, h in enumerate(policy.history) if h[1] == arm]
+        y = np.asarray([policy.history[i][2] for i in rows])
+        alone = Ridge(alpha=1.0).fit(scaled[rows], y, sample_weight=[policy.history[i][3] for i in rows])
+        line = float(alone.predict(x[None])[0])
+        assert y.min() < line < y.max()  # not clipped: the lines themselves are compared
+        assert mean == pytest.approx(line, abs=1e-6)
 
 
 def test_static_heuristic_and_unknown_policies():
