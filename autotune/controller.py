@@ -58,6 +58,9 @@ class ControlledResult:
     gpu_mem_mb: float | None
     fell_back: bool
     stream_error: str | None = None  # the request's streamer raised: the output stops there
+    # From the call until the engine began on it: waiting for a batch to form, for the engine, and
+    # the decision (also in decision_s). metrics.total_s is the engine's time alone.
+    queue_s: float = 0.0
 
 
 class AutotuneController:
@@ -158,17 +161,19 @@ class AutotuneController:
         gets alone either way. `streamer` (transformers' `TextStreamer`, `TextIteratorStreamer`,
         ...) gets the output round by round and is ended when the request is done or fails.
         """
+        arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             if self._coalescer is None:
-                return self._serve([prompt], request_class, [max_new_tokens], temperature, top_p, [seed], [ends])[0]
+                return self._serve([prompt], request_class, [max_new_tokens], temperature, top_p, [seed], [ends],
+                                   [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
             self.engine.check_request(len(ids), OFF, max_new_tokens)  # not in a batch it would have broken up
             classified = request_class is None
             if classified:
                 request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
             group = (request_class, classified, temperature, top_p)
-            return self._coalescer.submit(group, (ids, max_new_tokens, seed, ends))
+            return self._coalescer.submit(group, (ids, max_new_tokens, seed, ends, arrived))
         finally:
             end_stream(ends)  # a request that failed before streaming still ends its stream
 
@@ -200,6 +205,7 @@ class AutotuneController:
         goodput and reward, which is what the policy learned from. `streamers`: one per prompt
         (or None), as in `generate`.
         """
+        arrived = time.perf_counter()
         ends = [EndsOnce(s) if s is not None else None for s in streamers or []]
         try:
             if not prompts:
@@ -209,7 +215,8 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             limits = [max_new_tokens] * len(prompts)
-            return self._serve(prompts, request_class, limits, temperature, top_p, seeds, ends)
+            return self._serve(prompts, request_class, limits, temperature, top_p, seeds, ends,
+                               [arrived] * len(prompts))
         finally:
             for streamer in ends:
                 end_stream(streamer)
@@ -217,17 +224,17 @@ class AutotuneController:
     def _serve_coalesced(self, group, items) -> list:
         """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
         request_class, classified, temperature, top_p = group
-        ids, limits, seeds, streamers = (list(column) for column in zip(*items))
+        ids, limits, seeds, streamers, arrived = (list(column) for column in zip(*items))
         try:
-            return self._serve(ids, request_class, limits, temperature, top_p, seeds, streamers, classified)
+            return self._serve(ids, request_class, limits, temperature, top_p, seeds, streamers, arrived, classified)
         except InvalidRequestError:  # refused before decoding: nothing was streamed
             if len(items) == 1:
                 raise
         outcomes = []
-        for one, limit, seed, streamer in items:
+        for one, limit, seed, streamer, since in items:
             try:
                 outcomes.append(self._serve([one], request_class, [limit], temperature, top_p, [seed], [streamer],
-                                            classified)[0])
+                                            [since], classified)[0])
             except InvalidRequestError as exc:
                 outcomes.append(exc)
         return outcomes
@@ -235,7 +242,7 @@ class AutotuneController:
     def _classify(self, features: dict) -> str:
         return self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS
 
-    def _serve(self, prompts, request_class, limits, temperature, top_p, seeds, streamers,
+    def _serve(self, prompts, request_class, limits, temperature, top_p, seeds, streamers, arrived,
                classified: bool = False) -> list[ControlledResult]:
         sampling = [SamplingParams(temperature, top_p, seed) for seed in seeds]
         ids = [self.engine.encode(p).tolist() for p in prompts]
@@ -254,6 +261,7 @@ class AutotuneController:
         decision_s = time.perf_counter() - started
         self._check_arm(arm)
         with self._engine_lock, self.gpu.measure() as gpu:
+            engine_started = time.perf_counter()
             if len(ids) == 1:
                 results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule, streamers[0])]
                 served = results[0].metrics
@@ -273,13 +281,13 @@ class AutotuneController:
             if self.store is not None and self._updates % self.save_every == 0:
                 self._save_locked()
         out = []
-        for result, sp in zip(results, sampling):
-            if self.store is not None:
-                self._record(result, request_class, classified, load, goodput, reward, gpu, features, sp)
+        for result, sp, since in zip(results, sampling, arrived):
             out.append(ControlledResult(
                 result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
-                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error,
+                learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error, engine_started - since,
             ))
+            if self.store is not None:
+                self._record(out[-1], classified, features, sp)
         return out
 
     def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits, sampling) -> dict:
@@ -332,15 +340,16 @@ class AutotuneController:
             off_s = metrics.prefill_s + max(off_steps, 0) * base[1] / base[0]
             return off_s / metrics.total_s
 
-    def _record(self, result, request_class, classified, load, goodput, reward, gpu, features, sampling) -> None:
+    def _record(self, result: ControlledResult, classified: bool, features: dict, sampling: SamplingParams) -> None:
         m = result.metrics
         self.store.record(
-            request_class=request_class, arm=str(result.arm), policy=self.policy.name,
+            request_class=result.request_class, arm=str(result.arm), policy=self.policy.name,
             prompt_tokens=m.prompt_tokens, new_tokens=m.new_tokens, rounds=m.rounds, drafted=m.drafted,
             accepted=m.accepted, acceptance=m.acceptance, acceptance_per_position=m.acceptance_per_position,
             prefill_s=m.prefill_s, draft_s=m.draft_s, verify_s=m.verify_s, total_s=m.total_s,
-            goodput=goodput, reward=reward, gpu_util=gpu.util, gpu_mem_mb=gpu.mem_mb, load=load,
-            temperature=sampling.temperature, fell_back=result.fell_back, classified=classified,
+            queue_s=result.queue_s, goodput=result.goodput, reward=result.reward, gpu_util=result.gpu_util,
+            gpu_mem_mb=result.gpu_mem_mb, load=result.load, temperature=sampling.temperature,
+            fell_back=result.fell_back, stream_error=result.stream_error, classified=classified,
             features=features, engine_identity=self.engine.identity,
         )
 

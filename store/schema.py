@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Base(DeclarativeBase):
@@ -61,6 +61,9 @@ class Observation(Base):
     draft_s: Mapped[float] = mapped_column(Float, default=0.0)
     verify_s: Mapped[float] = mapped_column(Float, default=0.0)
     total_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # From the call until the engine began on it: waiting for a batch to form, for the engine, and
+    # the decision. total_s is the engine's time alone, so latency as the caller saw it is the sum.
+    queue_s: Mapped[float] = mapped_column(Float, default=0.0)
     goodput: Mapped[float] = mapped_column(Float)  # output tokens per second of the request
     reward: Mapped[float | None] = mapped_column(Float, nullable=True)  # goodput / class OFF baseline
     gpu_util: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -68,6 +71,7 @@ class Observation(Base):
     load: Mapped[int] = mapped_column(Integer, default=1)
     temperature: Mapped[float] = mapped_column(Float, default=0.0)
     fell_back: Mapped[bool] = mapped_column(Boolean, default=False)
+    stream_error: Mapped[str | None] = mapped_column(String(512), nullable=True)  # the streamer raised: cut short
     classified: Mapped[bool] = mapped_column(Boolean, default=False)  # class predicted, not given
     features: Mapped[dict] = mapped_column(JSON, default=dict)
     engine_identity: Mapped[str] = mapped_column(String(512), default="")
@@ -88,5 +92,17 @@ class PolicyState(Base):
 
 OUR_TABLES = {t.name for t in Base.metadata.sorted_tables}
 
-# version -> function(connection) that upgrades a database from that version to the next.
-MIGRATIONS: dict = {}
+
+
+def _add_queue_and_stream_error(conn) -> None:
+    """1 -> 2: observations record the time queued and a streamer's error."""
+    table = Observation.__tablename__
+    for name in ("queue_s", "stream_error"):
+        column = Observation.__table__.c[name]
+        default = " DEFAULT 0.0" if name == "queue_s" else ""
+        conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {column.type.compile(conn.dialect)}{default}"))
+
+
+# version -> function(connection) that upgrades a database from that version to the next, inside
+# the transaction that opens the store: a crash midway leaves the old version intact.
+MIGRATIONS: dict = {1: _add_queue_and_stream_error}

@@ -139,6 +139,11 @@ def test_concurrent_requests_from_threads_are_all_served_one_at_a_time_at_load_1
         assert not errors and len(results) == 8 and store.count() == 8
         # Requests waiting for the engine do not make a round dearer: served alone, each is keyed at load 1.
         assert {r.load for r in results} == {1} and list(ctl.policy.state_dict()) == ["code@load1"]
+        # ... but they waited, and that is recorded: the last served queued behind the seven others
+        # (six here: the last thread may reach the engine's queue a moment after the first began).
+        waited = sorted(r.queue_s for r in results)
+        assert waited[-1] >= sum(sorted(r.metrics.total_s for r in results)[:6]) > waited[0]
+        assert sorted(o["queue_s"] for o in store.observations()) == waited
 
 
 def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alone(engine, target, tmp_path):
@@ -173,7 +178,7 @@ def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, targe
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
     prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
-    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, None) for p in prompts])
+    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, None, 0.0) for p in prompts])
     assert "drafter 'small''s context" in str(outcomes[1])
     assert [outcomes[0].tokens, outcomes[2].tokens] == [hf_greedy(target, p, 4) for p in PROMPTS[:2]]
 

@@ -157,6 +157,46 @@ def test_refuses_a_newer_schema_and_leaves_it_untouched(tmp_path):
     assert path.read_bytes() == before
 
 
+def version_1_store(path: Path) -> None:
+    """A store as schema version 1 left it: no queue_s or stream_error, one observation."""
+    with Store(f"sqlite:///{path}") as s:
+        s.record(**obs(7))
+    with sqlite3.connect(path) as conn:
+        conn.execute("ALTER TABLE autotune_observations DROP COLUMN queue_s")
+        conn.execute("ALTER TABLE autotune_observations DROP COLUMN stream_error")
+        conn.execute("UPDATE autotune_meta SET value = '1' WHERE key = 'schema_version'")
+
+
+def test_an_older_schema_is_migrated_in_one_transaction(tmp_path, monkeypatch):
+    import store.schema
+
+    path = tmp_path / "v1.db"
+    version_1_store(path)
+    migrate = store.schema.MIGRATIONS[1]
+
+    def crash_midway(conn):
+        migrate(conn)
+        raise OSError("disk gone")
+
+    monkeypatch.setitem(store.schema.MIGRATIONS, 1, crash_midway)
+    with pytest.raises(OSError, match="disk gone"):
+        Store(f"sqlite:///{path}")
+    with sqlite3.connect(path) as conn:  # the columns added before the crash were rolled back
+        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("1",)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(autotune_observations)")}
+        assert "queue_s" not in columns and "stream_error" not in columns
+
+    monkeypatch.setitem(store.schema.MIGRATIONS, 1, migrate)
+    with Store(f"sqlite:///{path}") as s:
+        s.record(**obs(8), queue_s=0.25, stream_error="client went away")
+        s.flush()
+        old, new = sorted(s.observations(), key=lambda o: o["prompt_tokens"])
+    assert (old["prompt_tokens"], old["queue_s"], old["stream_error"]) == (7, 0.0, None)
+    assert (new["queue_s"], new["stream_error"]) == (0.25, "client went away")
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("2",)
+
+
 def test_postgres_when_a_server_is_available():
     url = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
     if not url:

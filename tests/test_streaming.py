@@ -11,6 +11,7 @@ from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
 
 from autotune.controller import AutotuneController
 from engine import OFF, SpeculativeEngine
+from store import Store
 
 
 class Recorder:
@@ -77,7 +78,7 @@ def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_strea
     streamers = [Recorder() for _ in batch]
     # The batch is refused before decoding (one row over the drafter's context), then each is
     # served alone: the others stream their output once, the refused one streams nothing.
-    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, s) for p, s in zip(batch, streamers)])
+    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, s, 0.0) for p, s in zip(batch, streamers)])
     assert "drafter 'small''s context" in str(outcomes[1]) and streamers[1].puts == []
     for i in (0, 2):
         assert streamers[i].output == outcomes[i].tokens == hf_greedy(target, batch[i], 4)
@@ -150,7 +151,7 @@ class GoneAway(Recorder):
         super().put(value)
 
 
-def test_a_streamer_that_raises_stops_only_its_own_request(engine, target):
+def test_a_streamer_that_raises_stops_only_its_own_request(engine, target, tmp_path):
     batch = prompts(4)
     streamers = [Recorder(), GoneAway(fail_at=3), Recorder(), None]
     out = engine.generate_batch(batch, "small:3", 20, streamers=streamers)
@@ -163,14 +164,20 @@ def test_a_streamer_that_raises_stops_only_its_own_request(engine, target):
     assert streamers[1].output == stopped.tokens[: len(streamers[1].output)] != []
     assert [s.ends for s in streamers[:3]] == [1, 1, 1]
 
-    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3")
-    gone = GoneAway(fail_at=2)
-    alone = ctl.generate(batch[0], request_class="code", max_new_tokens=20, streamer=gone)
-    assert "went away" in alone.stream_error and alone.tokens == hf_greedy(target, batch[0], 20)[:1]
-    results = ctl.generate_batch(batch, request_class="code", max_new_tokens=20,
-                                 streamers=[GoneAway(3), None, None, None])
-    assert "went away" in results[0].stream_error
-    assert [r.tokens for r in results[1:]] == [hf_greedy(target, p, 20) for p in batch[1:]]
+    with Store(f"sqlite:///{tmp_path / 's.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="static", arms=[OFF], arm="small:3")
+        gone = GoneAway(fail_at=2)
+        alone = ctl.generate(batch[0], request_class="code", max_new_tokens=20, streamer=gone)
+        assert "went away" in alone.stream_error and alone.tokens == hf_greedy(target, batch[0], 20)[:1]
+        results = ctl.generate_batch(batch, request_class="code", max_new_tokens=20,
+                                     streamers=[GoneAway(3), None, None, None])
+        assert "went away" in results[0].stream_error
+        assert [r.tokens for r in results[1:]] == [hf_greedy(target, p, 20) for p in batch[1:]]
+        ctl.close()
+        recorded = sorted(store.observations(), key=lambda o: o["id"])
+    # The store tells a request cut short by its client from one that ended on its own.
+    assert [o["new_tokens"] for o in recorded] == [len(r.tokens) for r in [alone, *results]]
+    assert [o["stream_error"] for o in recorded] == [alone.stream_error, results[0].stream_error, None, None, None]
 
 
 class Slow(Recorder):
