@@ -227,3 +227,4 @@ def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(sm
     assert set(configs) == {"ucb/batch1", "ucb/batch6"}
     assert configs["ucb/batch6"]["mean_load"] > 1  # clients of one class were served together
     assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in configs.values())  # streamed before done
+    assert all(0 < c["queue_s_p50"] < c["ttft_s_p50"] for c in configs.values())  # queued, then prefill

@@ -39,7 +39,8 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     serves the same requests, configurations taking turns round by round; each keeps its
     controller (and what it learned) across rounds. Greedy outputs must be identical everywhere.
     Latency is from a client sending a request to its result; time to first token, to the
-    first output token its streamer got.
+    first output token its streamer got; queue, the controller's `queue_s` (until the engine
+    began on it).
     """
     names = list(classes)
     plan = []  # per client: its class and the token ids of its requests
@@ -51,7 +52,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     arms = default_arms(engine)
     controllers = {f"{p}/batch{b}": AutotuneController(engine, policy=p, arms=arms, max_batch=b)
                    for p in policies for b in (1, max_batch)}
-    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # served: (tokens, latency, ttft, load)
+    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # (tokens, latency, ttft, queue, load)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     for r in range(rounds):
         for name in rotate(list(controllers), r):
@@ -65,7 +66,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                     out = ctl.generate(ids, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p, seed=c * 1000 + j,
                                        streamer=first)
                     s["served"].append((out.metrics.new_tokens, time.perf_counter() - start, first.at - start,
-                                        out.load))  # one append: atomic
+                                        out.queue_s, out.load))  # one append: atomic
                     if cls.temperature == 0:
                         greedy[c, j].add(tuple(out.tokens))
 
@@ -80,10 +81,11 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
             progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
     out = {}
     for name, s in stats.items():
-        tokens, latency, ttft, loads = zip(*s["served"])
+        tokens, latency, ttft, queued, loads = zip(*s["served"])
         out[name] = {"tokens_per_s": round(sum(tokens) / s["seconds"], 1),
                      "latency_s_p50": round(statistics.median(latency), 3), "latency_s_p99": p99(latency),
                      "ttft_s_p50": round(statistics.median(ttft), 3), "ttft_s_p99": p99(ttft),
+                     "queue_s_p50": round(statistics.median(queued), 3), "queue_s_p99": p99(queued),
                      "mean_load": round(statistics.fmean(loads), 2)}
     tps = {name: v["tokens_per_s"] for name, v in out.items()}
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
