@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, UniqueConstraint, text
+from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA_VERSION = 2
@@ -71,7 +71,7 @@ class Observation(Base):
     load: Mapped[int] = mapped_column(Integer, default=1)
     temperature: Mapped[float] = mapped_column(Float, default=0.0)
     fell_back: Mapped[bool] = mapped_column(Boolean, default=False)
-    stream_error: Mapped[str | None] = mapped_column(String(512), nullable=True)  # the streamer raised: cut short
+    stream_error: Mapped[str | None] = mapped_column(Text, nullable=True)  # the streamer raised: cut short
     classified: Mapped[bool] = mapped_column(Boolean, default=False)  # class predicted, not given
     features: Mapped[dict] = mapped_column(JSON, default=dict)
     engine_identity: Mapped[str] = mapped_column(String(512), default="")
@@ -91,7 +91,6 @@ class PolicyState(Base):
 
 
 OUR_TABLES = {t.name for t in Base.metadata.sorted_tables}
-
 
 
 def _add_queue_and_stream_error(conn) -> None:
