@@ -1,9 +1,9 @@
 """The online controller: per request, pick an arm for its class, serve it, measure, learn.
 
 Reward is the request's speedup over OFF on the same request: the time OFF would have
-taken for the same prompt and output (this request's prefill plus one OFF decode step per
-output token, the step cost measured on the class's OFF requests at the same load bucket)
-over the time it took. Comparing each request with itself keeps prompt and output length
+taken for the same prompt and output (the target's prefill of this request plus one OFF
+decode step per output token, the step cost inferred from this request's own verifies at its
+load, see `_reward`) over the time it took. Comparing each request with itself keeps prompt and output length
 out of the reward's noise. Requests also score every other arm by replaying the output
 (counterfactual.py; exact when greedy, in expectation when sampled): every request while a
 class is being learned, then only within a small share of the serving time (a replay costs
@@ -18,6 +18,7 @@ requests from concurrent threads are served together in batches (coalesce.py).
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import threading
 import time
@@ -33,6 +34,8 @@ from engine.streaming import EndsOnce, end_stream
 from policies import Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 BASELINE_POLICY = "__off_baseline__"
+COSTS_POLICY = "__costs__"  # per load bucket: the measured draft and verify costs (CostModel)
+INTERNAL_POLICIES = (BASELINE_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_CLASS = "default"
 
@@ -125,6 +128,8 @@ class AutotuneController:
             saved = store.load_policy_states(BASELINE_POLICY).items()
             self.baselines = {k: list(v["off_step"]) for k, v in saved if "off_step" in v}
             self._served = {k: int(v.get("served", 0)) for k, v in saved}
+            self.costs = {bucket: CostModel.from_state(state)
+                          for bucket, state in store.load_policy_states(COSTS_POLICY).items()}
 
     def _reachable_arms(self) -> list[Arm]:
         """The policy's arms, plus the largest K a schedule that moves K inside a request can reach."""
@@ -269,9 +274,13 @@ class AutotuneController:
                 batch = self.engine.generate_batch(ids, arm, limits, sampling, streamers)
                 results, served = batch.results, batch.metrics
         goodput = served.tokens_per_s
-        reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1)
+        with self._policy_lock:
+            costs = self.costs.setdefault(load_bucket(context.load), CostModel())
+            # Draft costs per K only from a request that kept its K and its drafter throughout.
+            costs.observe(arm, served, drafts=schedule is None and not any(r.fell_back for r in results))
+        reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
         learn_started = time.perf_counter()
-        siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling[0])
+        siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling[0], costs)
         learn_s = time.perf_counter() - learn_started
         with self._policy_lock:
             self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
@@ -290,28 +299,30 @@ class AutotuneController:
                 self._record(out[-1], classified, features, sp)
         return out
 
-    def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits, sampling) -> dict:
+    def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits, sampling,
+                    costs: CostModel) -> dict:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
         if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
             return {}
         key = context.key
         with self._policy_lock:
-            costs = self.costs.setdefault(load_bucket(context.load), CostModel())
-            costs.observe(arm, served)
             before = self._served.get(key, 0)
             self._served[key] = before + len(results)
             steps, seconds = self.baselines.get(key, (0.0, 0.0))
+            off_step = costs.off_step() or (seconds / steps if steps > 0 else None)  # as the costs it is compared with
             learning = before < self.counterfactual_requests
             share = self._replay_share.setdefault(key, [0.0, 0.0, 0.0])
             if not learning:
                 share[0] += served.total_s
             replay = learning or share[1] + share[2] <= self.counterfactual_budget * share[0]
-        if replay and steps > 0:
+            if replay:  # other threads' requests go on adding to the costs while this one replays
+                costs = copy.deepcopy(costs)
+        if replay and off_step is not None:
             requests = [(p, r.tokens, limit) for p, r, limit in zip(ids, results, limits)]
             started = time.perf_counter()
             with self._engine_lock:
-                estimates = arm_rewards(self.engine, self.policy.arms, costs, requests, served.prefill_s,
-                                        seconds / steps, sampling)
+                estimates = arm_rewards(self.engine, self.policy.arms, costs, requests,
+                                        served.prefill_s - served.draft_prefill_s, off_step, sampling)
             with self._policy_lock:
                 share[2] = time.perf_counter() - started
                 if not learning:
@@ -321,23 +332,30 @@ class AutotuneController:
         return sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()),
                                functools.partial(costs.draft_cost, arm.drafter))
 
-    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics, off_steps: int | None = None) -> float:
-        """Speedup over OFF on this very request: (prefill + output steps x OFF step cost) / time taken.
+    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics, off_steps: int | None = None,
+                costs: CostModel | None = None) -> float:
+        """Speedup over OFF on this very request: (target's prefill + output steps x OFF step cost) / time taken.
 
-        The OFF step cost is a rate of sums (discounted OFF decode seconds / steps), so one odd
-        request does not move it much; an OFF request itself scores about 1.0. A batch's OFF
-        steps are its longest output's (`off_steps`), each step decoding every row.
+        The OFF step cost is the one `costs` (this load's, this request observed) infers from
+        the request's own verifies, so a moment when the machine runs slow slows both sides
+        alike; before a 1-token step has run at this load, the key's OFF baseline (a rate of
+        sums: discounted OFF decode seconds / steps). An OFF request scores about 1.0. A batch's
+        OFF steps are its longest output's (`off_steps`), each step decoding every row. The
+        drafter's prefill is the arm's cost, not OFF's.
         """
         with self._policy_lock:
             base = self.baselines.setdefault(key, [0.0, 0.0])  # OFF decode [steps, seconds], discounted
             if arm.is_off and metrics.rounds:
                 base[0] = base[0] * self.baseline_discount + metrics.rounds
                 base[1] = base[1] * self.baseline_discount + metrics.verify_s
-            if base[0] <= 0 or metrics.total_s <= 0:
+            step = costs.off_step_during(metrics) if costs is not None else None
+            if step is None and base[0] > 0:
+                step = base[1] / base[0]
+            if step is None or metrics.total_s <= 0:
                 return 1.0
             if off_steps is None:
                 off_steps = metrics.new_tokens - 1
-            off_s = metrics.prefill_s + max(off_steps, 0) * base[1] / base[0]
+            off_s = metrics.prefill_s - metrics.draft_prefill_s + max(off_steps, 0) * step
             return off_s / metrics.total_s
 
     def _record(self, result: ControlledResult, classified: bool, features: dict, sampling: SamplingParams) -> None:
@@ -363,6 +381,8 @@ class AutotuneController:
             if key in self.baselines:
                 self.store.save_policy_state(BASELINE_POLICY, key, {"off_step": self.baselines[key],
                                                                      "served": self._served.get(key, 0)})
+        for bucket, costs in self.costs.items():
+            self.store.save_policy_state(COSTS_POLICY, bucket, costs.state_dict())
         self._dirty.clear()
 
     def save(self) -> None:

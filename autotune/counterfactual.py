@@ -48,15 +48,56 @@ class CostModel:
         self.discount = discount
         self.draft: dict[str, dict[int, list[float]]] = {}  # drafter -> K played -> [seconds, rounds, steps]
         self.verify: dict[int, list[float]] = {}  # tokens per verify -> [seconds, rounds]
+        self.prefill: dict[str, list[float]] = {}  # drafter -> [seconds of its prefill, prompt tokens]
 
-    def observe(self, arm: Arm, metrics) -> None:
+    def observe(self, arm: Arm, metrics, drafts: bool = True) -> None:
+        """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it)."""
         if not metrics.rounds:
             return
-        if metrics.draft_steps:
+        if metrics.draft_steps and drafts:
             row = self.draft.setdefault(arm.drafter, {})
             self._add(row, arm.k, [metrics.draft_s, metrics.draft_rounds, metrics.draft_steps])
+        if metrics.draft_prefill_s > 0:
+            self._add(self.prefill, arm.drafter, [metrics.draft_prefill_s, metrics.prompt_tokens])
         for width, (seconds, rounds) in metrics.verify_by_width.items():  # as fed: n-gram rounds vary
             self._add(self.verify, width, [seconds, rounds])
+
+    def state_dict(self) -> dict:
+        return {"discount": self.discount, "draft": self.draft, "verify": self.verify, "prefill": self.prefill}
+
+    @classmethod
+    def from_state(cls, state: dict) -> CostModel:
+        """The inverse of `state_dict` after a JSON round trip (which turns K and widths into strings)."""
+        costs = cls(state["discount"])
+        costs.draft = {d: {int(k): list(v) for k, v in rows.items()} for d, rows in state["draft"].items()}
+        costs.verify = {int(w): list(v) for w, v in state["verify"].items()}
+        costs.prefill = {d: list(v) for d, v in state["prefill"].items()}
+        return costs
+
+    def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:
+        """Seconds for the drafter to take in a prompt (on long prompts in a batch of 16, a third
+        of the target's own prefill with the demo family); 0 before it was measured."""
+        seconds, tokens = self.prefill.get(drafter, (0.0, 0.0))
+        return seconds / tokens * prompt_tokens if tokens > 0 else 0.0
+
+    def off_step(self) -> float | None:
+        """Seconds of a measured 1-token step (an OFF round) at this load; None before one ran."""
+        seconds, rounds = self.verify.get(1, (0.0, 0.0))
+        return seconds / rounds if rounds > 0 else None
+
+    def off_step_during(self, metrics) -> float | None:
+        """What an OFF step would have cost while this request ran.
+
+        The machine's speed moves by +-25 % from one request to the next (the demo family's OFF
+        steps: 6.5-13.5 ms per request at load 1, whatever the prompt), so an OFF step measured
+        on other requests says little about this one. The request's own verifies do: their
+        seconds, over what its verify widths cost relative to a 1-token step at this load, are
+        its 1-token step. None until a 1-token step has run at this load.
+        """
+        one = self.off_step()
+        relative = sum(rounds * self.verify_cost(width) / one for width, (_, rounds) in metrics.verify_by_width.items()
+                       if rounds) if one else 0.0
+        return metrics.verify_s / relative if relative > 0 else None
 
     def _add(self, table: dict, key, values: list[float]) -> None:
         row = table.setdefault(key, [0.0] * len(values))
@@ -219,7 +260,8 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
 
     `requests` holds (prompt, output, max_new_tokens) of one request, or of every request of a
     batch served together: a batch's round drafts as many tokens as its longest row does and
-    lasts until its slowest row is done, at the costs measured at the batch's load.
+    lasts until its slowest row is done, at the costs measured at the batch's load. `prefill_s`
+    is the target's prefill, which every arm pays; a drafter's own is priced from `costs`.
     """
     requests = [r for r in requests if len(r[1]) >= 2]
     if not requests:
@@ -232,6 +274,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
         if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter, HybridDrafter)):
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
+    prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
     sampled = sampling is not None and not sampling.greedy
     targets = [target_probabilities(engine, sequence, start, sampling) if sampled and longest else None
@@ -254,6 +297,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
         verify = [verify_cost(k + 1) for k in rounds]
         if any(v is None for v in verify):
             continue
-        draft = sum(draft_cost(arm.drafter, k) for k in rounds if k) if not arm.is_off else 0.0
+        draft = 0.0 if arm.is_off else (sum(draft_cost(arm.drafter, k) for k in rounds if k)
+                                         + costs.draft_prefill_cost(arm.drafter, prompt_tokens))
         estimates[str(arm)] = off_time / (prefill_s + draft + sum(verify))
     return estimates

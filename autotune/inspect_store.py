@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 
-from autotune.controller import BASELINE_POLICY
+from autotune.controller import INTERNAL_POLICIES
 
 
 def best_arm(state: dict) -> tuple[str, float, float, float] | None:
@@ -21,7 +21,7 @@ def best_arm(state: dict) -> tuple[str, float, float, float] | None:
 
 
 def latest_policy(store) -> str | None:
-    history = [h for h in store.policy_history() if h["policy"] != BASELINE_POLICY]
+    history = [h for h in store.policy_history() if h["policy"] not in INTERNAL_POLICIES]
     return history[-1]["policy"] if history else None
 
 

@@ -172,14 +172,16 @@ def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos:
     lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
     model = model_drafter_of(drafter)
     if model is not None:
+        target_done = clock()
         try:
             batch_drafter = BatchDrafter(model, rows)
         except Exception as exc:  # speculation must never lose a request
             drafter, fell_back, error = None, True, f"{type(exc).__name__}: {exc}"
+        batch.draft_prefill_s = clock() - target_done
     now = clock()
     batch.prefill_s = now - started
     for m in metrics:
-        m.prefill_s = batch.prefill_s
+        m.prefill_s, m.draft_prefill_s = batch.prefill_s, batch.draft_prefill_s
     now += _stream(rows, [r.prompt_len for r in rows], batch, prompt=True)
     live_rows = list(range(len(rows)))  # indexes into rows/metrics, in batch order
     _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started - batch.stream_s)

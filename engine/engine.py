@@ -37,6 +37,7 @@ class GenerationMetrics:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
+    draft_prefill_s: float = 0.0  # the drafter's part of prefill_s (its cache over the prompt); OFF has none
     draft_s: float = 0.0
     verify_s: float = 0.0
     verify_by_width: dict[int, list[float]] = field(default_factory=dict)  # tokens per row -> [seconds, rounds]
@@ -324,9 +325,12 @@ class SpeculativeEngine:
         tokens = ids.tolist()
         tokens.append(self._pick(logits[-1], sampling, generator))
         if drafter is not None:
+            target_done = self._sync()
             drafter.begin(ids, max_length)
         now = self._sync()
         m.prefill_s = now - start
+        if drafter is not None:
+            m.draft_prefill_s = now - target_done
         if streamer is not None:
             result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:])
             now = self._streamed(m, now)

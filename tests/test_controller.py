@@ -84,6 +84,10 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         resumed = AutotuneController(engine, store, policy="ucb", arms=arms)
         assert resumed.policy.state_dict() == before
         assert resumed.baselines == ctl.baselines
+        # and the measured costs: rewards and replays price arms as before the restart
+        assert {b: c.state_dict() for b, c in resumed.costs.items()} == {b: c.state_dict()
+                                                                         for b, c in ctl.costs.items()}
+        assert set(resumed.costs) == {"1"} and resumed.costs["1"].off_step() > 0
         assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
         # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
@@ -230,6 +234,28 @@ def test_the_reward_compares_a_request_with_off_on_the_same_request(engine):
     # Its short output does not make it look slow, nor a long prompt's prefill.
     long_prompt = GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.2, total_s=0.29)
     assert ctl._reward("code@load1", Arm("small", 2), long_prompt) == pytest.approx(0.36 / 0.29)
+
+
+def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_at_full_speed(engine):
+    from autotune.counterfactual import CostModel
+    from engine import GenerationMetrics
+
+    ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)])
+    costs = CostModel()
+    off = GenerationMetrics(new_tokens=64, rounds=63, prefill_s=0.01, verify_s=0.315, total_s=0.325,
+                            verify_by_width={1: [0.315, 63]})  # 5 ms steps
+    costs.observe(OFF, off)
+    assert ctl._reward("code@load1", OFF, off, costs=costs) == pytest.approx(1.0)
+
+    def spec(speed: float) -> GenerationMetrics:  # 33 tokens in 10 rounds of a 6 ms verify, 2 ms drafting
+        return GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.013 / speed, draft_prefill_s=0.003 / speed,
+                                 draft_s=0.02 / speed, verify_s=0.06 / speed, total_s=0.093 / speed,
+                                 verify_by_width={3: [0.06 / speed, 10]})
+
+    costs.observe(Arm("small", 2), spec(1.0))
+    # OFF: the target's prefill (not the drafter's) + 32 steps of 5 ms, where the arm took 93 ms.
+    assert ctl._reward("code@load1", Arm("small", 2), spec(1.0), costs=costs) == pytest.approx(0.17 / 0.093)
+    assert ctl._reward("code@load1", Arm("small", 2), spec(0.5), costs=costs) == pytest.approx(0.17 / 0.093)
 
 
 def test_a_learning_policy_serves_off_until_the_baseline_has_enough_steps(engine):

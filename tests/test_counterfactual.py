@@ -1,6 +1,8 @@
 """Counterfactual replay: from one request, what every other arm would have done (greedy:
 exactly; sampled: in expectation)."""
 
+import json
+
 import pytest
 from test_engine import prompts
 
@@ -66,6 +68,40 @@ def test_estimated_rewards_follow_acceptance_and_cost():
     assert costs.verify_cost(1) == pytest.approx(0.003)
     costs.verify = {1: [0.5, 100.0]}
     assert costs.verify_cost(3) > costs.verify_cost(1)  # one point: a prior slope, never cheaper
+
+
+def test_the_off_step_is_inferred_from_the_requests_own_verifies():
+    """The machine's speed moves by +-25 % between requests; an OFF step measured on other
+    requests would make a request that ran at a slow moment look slower than OFF."""
+    costs = CostModel(discount=1.0)
+    assert costs.off_step() is None
+    costs.observe(OFF, GenerationMetrics(rounds=50, verify_s=0.25, verify_by_width={1: [0.25, 50]}))  # 5 ms
+    spec = GenerationMetrics(rounds=20, verify_s=0.12, verify_by_width={3: [0.12, 20]})  # 6 ms per 3-token verify
+    costs.observe(Arm("small", 2), spec)
+    assert costs.off_step_during(spec) == pytest.approx(0.005)
+    slow = GenerationMetrics(rounds=20, verify_s=0.24, verify_by_width={3: [0.24, 20]})  # the machine at half speed
+    assert costs.off_step_during(slow) == pytest.approx(0.010)  # so was OFF, then
+    mixed = GenerationMetrics(rounds=30, verify_s=0.17, verify_by_width={1: [0.05, 10], 3: [0.12, 20]})
+    assert costs.off_step_during(mixed) == pytest.approx(0.17 / (10 + 20 * 1.2))  # an n-gram arm's rounds
+    assert CostModel.from_state(json.loads(json.dumps(costs.state_dict()))).state_dict() == costs.state_dict()
+
+
+def test_each_arm_pays_its_own_drafters_prefill(engine):
+    prompt = prompts(1, seed=1)[0]
+    off = engine.generate(prompt, OFF, max_new_tokens=24)
+    spec = engine.generate(prompt, "small:2", max_new_tokens=24)
+    assert off.metrics.draft_prefill_s == 0 and 0 < spec.metrics.draft_prefill_s < spec.metrics.prefill_s
+    batch = engine.generate_batch(prompts(3, seed=2), "hybrid:2", max_new_tokens=8).metrics
+    assert 0 < batch.draft_prefill_s < batch.prefill_s
+    assert engine.generate_batch(prompts(3, seed=2), OFF, max_new_tokens=8).metrics.draft_prefill_s == 0
+    costs = CostModel()
+    costs.observe(OFF, off.metrics)
+    costs.observe(Arm("small", 2), spec.metrics)
+    replay = [(prompt, off.tokens, 24)]
+    before = arm_rewards(engine, [Arm("small", 2)], costs, replay, off.metrics.prefill_s, costs.off_step())
+    costs.prefill["small"] = [1.0, len(prompt)]  # a drafter that takes a second over this prompt
+    after = arm_rewards(engine, [Arm("small", 2)], costs, replay, off.metrics.prefill_s, costs.off_step())
+    assert 1 / after["small:2"] - 1 / before["small:2"] == pytest.approx(1.0 / off.metrics.total_s, rel=0.05)
 
 
 def test_a_draft_round_is_priced_as_a_first_step_plus_further_steps():

@@ -171,8 +171,22 @@ def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classe
     assert result["regret_fraction"] == pytest.approx(1 - result["ratio_vs_oracle"], abs=2e-3)
     assert result["oracle_vs_best_static_expected"] >= 1.0  # the oracle is best in every cell of the truth
     assert result["drift"]["restart_vs_uninterrupted_after_restart"] > 0
+    assert set(result["policies"]["thompson"]["reward_calibration"]) <= set(result["oracle_arms"])
     assert (tmp_path / "controller_arms.png").stat().st_size > 0
     assert (tmp_path / "controller_regret.png").stat().st_size > 0
+
+
+def test_reward_calibration_compares_recorded_rewards_with_speedups_measured_against_off():
+    from autotune.bench.controller import reward_calibration
+
+    def arrival(cell, tokens, engine_s, reward):
+        return {"cell": cell, "tokens": tokens, "engine_s": engine_s, "reward": reward}
+
+    off = [arrival("a@load1", 10, 1.0, 1.0), arrival("a@load1", 20, 1.0, 1.0), arrival("b@load1", 10, 1.0, 1.0)]
+    # Twice OFF's goodput on every "a" arrival, but rewards that claim 2.4x; "b" claims what it measured.
+    ucb = [arrival("a@load1", 10, 0.5, 2.4), arrival("a@load1", 20, 0.5, 2.4), arrival("b@load1", 10, 0.8, 1.25)]
+    assert reward_calibration({"ucb": ucb, "off": off}, "ucb", warmup=0.0) == {"a@load1": 1.2, "b@load1": 1.0}
+    assert reward_calibration({"ucb": ucb, "off": off}, "ucb", warmup=0.5) == {"a@load1": 1.2, "b@load1": 1.0}
 
 
 def test_bench_replay_scores_every_arm_of_every_class(small_store, classes):

@@ -61,8 +61,8 @@ def _run_stream(engine, stream: list[list[Request]], controllers: dict[str, Auto
                 seconds = max(r.metrics.total_s for r in rs)  # the batch's wall time
             log[name].append({"class": req.request_class, "cell": _cell(req.request_class, len(item)),
                               "arm": str(rs[0].arm), "tokens": sum(r.metrics.new_tokens for r in rs),
-                              "seconds": seconds + rs[0].decision_s + rs[0].learn_s,
-                              "decision_ms": rs[0].decision_s * 1000})
+                              "seconds": seconds + rs[0].decision_s + rs[0].learn_s, "engine_s": seconds,
+                              "reward": rs[0].reward, "decision_ms": rs[0].decision_s * 1000})
         if (i + 1) % 20 == 0:
             progress(f"  {i + 1}/{len(stream)} arrivals")
     return log
@@ -79,6 +79,19 @@ def _summary(log: dict[str, list[dict]], warmup: float) -> dict:
         out[name] = {"goodput": round(_goodput(after), 2),
                      "per_class": {c: round(_goodput(rs), 2) for c, rs in sorted(per_cell.items())}}
     return out
+
+
+def reward_calibration(log: dict[str, list[dict]], name: str, warmup: float) -> dict[str, float]:
+    """Per cell: the mean reward `name` recorded (its estimate of its speedup over OFF) over the
+    mean speedup it measured against the OFF configuration on the same arrivals. 1.0: the
+    rewards the policy learns from, and the store keeps, are true to scale."""
+    start = int(len(log[name]) * warmup)
+    per_cell = defaultdict(lambda: ([], []))
+    for r, o in zip(log[name][start:], log["off"][start:]):
+        rewards, measured = per_cell[r["cell"]]
+        rewards.append(r["reward"])
+        measured.append(r["tokens"] / r["engine_s"] / (o["tokens"] / o["engine_s"]))
+    return {c: round(sum(rw) / sum(ms), 3) for c, (rw, ms) in sorted(per_cell.items())}
 
 
 def _cell_weights(ground_truth: dict[int, dict], workload: Workload) -> dict[tuple[int, str], float]:
@@ -180,7 +193,8 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
         "policies": {p: {"ratio_vs_oracle": round(summary[p]["goodput"] / oracle["goodput"], 3),
                          "ratio_vs_best_static": round(summary[p]["goodput"] / summary["static_best"]["goodput"], 3),
                          "ratio_vs_off": round(summary[p]["goodput"] / off["goodput"], 3),
-                         "decision_overhead_ms_p99": p99(r["decision_ms"] for r in log[p])} for p in policies},
+                         "decision_overhead_ms_p99": p99(r["decision_ms"] for r in log[p]),
+                         "reward_calibration": reward_calibration(log, p, warmup)} for p in policies},
         "goodput": summary,
     }
     _plot(log, lead, out_dir / "controller_arms.png", out_dir / "controller_regret.png")

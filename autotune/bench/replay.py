@@ -43,7 +43,7 @@ def bench_replay(engine: SpeculativeEngine, classes: dict[str, RequestClass], ar
         for ids, sampling, results in served:
             for arm, r in results.items():
                 m = r.metrics
-                measured[arm].append((m.prefill_s + (m.new_tokens - 1) * step) / m.total_s)
+                measured[arm].append((m.prefill_s - m.draft_prefill_s + (m.new_tokens - 1) * step) / m.total_s)
             r = results["off"]
             estimates = arm_rewards(engine, arms, costs, [(ids, r.tokens, cls.max_new_tokens)], r.metrics.prefill_s,
                                     step, sampling)
