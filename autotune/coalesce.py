@@ -6,13 +6,14 @@ requests that wait at the same moment as one batch does one forward pass per rou
 of them, which is where a server's throughput comes from (vLLM and SGLang batch every
 running request each step). Here batches are formed when the engine falls free: the thread
 that finds it free becomes the leader, takes the oldest waiting request and every other one
-of its group (same request class and sampling) up to `max_batch`, serves them and hands each
-caller its own result; requests that arrive meanwhile wait for the next batch. This is
-static batching, not continuous: a request does not join a batch already decoding.
+of its group (the caller's choice: the controller puts all its requests in one group, or one
+group per request class) up to `max_batch`, serves them and hands each caller its own
+result; requests that arrive meanwhile wait for the next batch. This is static batching,
+not continuous: a request does not join a batch already decoding.
 
 When requests were arriving together a moment before, the leader first waits up to `wait_s`
-for the rest of them (with 16 clients of 4 classes, the default 2 ms gathered a class's four
-clients, `autotune bench concurrency`); a caller alone never waits.
+for the rest of them (with 16 clients of 4 classes grouped by class, the default 2 ms gathered
+a class's four clients, `autotune bench concurrency`); a caller alone never waits.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ COSTS_POLICY = "__costs__"  # per load bucket: the measured draft and verify cos
 INTERNAL_POLICIES = (BASELINE_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_CLASS = "default"
+# The key of a coalesced batch whose requests are of several classes: one arm serves the whole
+# batch, so what it learns is the best arm for such a mix at that load, not for any one class.
+MIXED_CLASS = "(mixed)"
 
 
 def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) -> list[Arm]:
@@ -66,6 +69,12 @@ class ControlledResult:
     queue_s: float = 0.0
 
 
+def _check_label(request_class: str | None) -> None:
+    if request_class == MIXED_CLASS:
+        raise InvalidRequestError(f"{MIXED_CLASS!r} is the controller's key for batches of several classes,"
+                                  " not a request class a caller can give")
+
+
 class AutotuneController:
     def __init__(
         self,
@@ -82,6 +91,7 @@ class AutotuneController:
         counterfactual_weight: float = 0.5,
         max_batch: int = 1,
         batch_wait_ms: float = 2.0,
+        mix_classes: bool = True,
         **policy_kwargs,
     ) -> None:
         self.engine = engine
@@ -117,8 +127,10 @@ class AutotuneController:
         self._engine_lock = threading.Lock()
         self._updates = 0
         self._dirty: set[str] = set()
-        # Single requests waiting at the same moment become one batch of their class and sampling.
+        # Single requests waiting at the same moment become one batch: of any classes (keyed as
+        # MIXED_CLASS when they differ), or with mix_classes=False one batch per class.
         self._coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
+        self.mix_classes = mix_classes
         self._threads: ThreadPoolExecutor | None = None  # agenerate's, made on first use
         self._threads_size = max(4, 2 * max_batch)  # a batch being served and the next one gathering
         if store is not None:
@@ -162,23 +174,26 @@ class AutotuneController:
         """Serve one request on the arm the policy picks for its class; learn from it.
 
         With `max_batch` > 1 it may be served in a batch with requests from other threads that
-        wait at the same moment (same class, temperature and top-p); its output is the one it
-        gets alone either way. `streamer` (transformers' `TextStreamer`, `TextIteratorStreamer`,
-        ...) gets the output round by round and is ended when the request is done or fails.
+        wait at the same moment (of any class, or of its own with `mix_classes=False`); its
+        output is the one it gets alone either way. `streamer` (transformers' `TextStreamer`,
+        `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
+        request is done or fails.
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
+            _check_label(request_class)
+            sampling = SamplingParams(temperature, top_p, seed)
             if self._coalescer is None:
-                return self._serve([prompt], request_class, [max_new_tokens], temperature, top_p, [seed], [ends],
-                                   [arrived])[0]
+                return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
             self.engine.check_request(len(ids), OFF, max_new_tokens)  # not in a batch it would have broken up
             classified = request_class is None
             if classified:
                 request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
-            group = (request_class, classified, temperature, top_p)
-            return self._coalescer.submit(group, (ids, max_new_tokens, seed, ends, arrived))
+            group = None if self.mix_classes else request_class
+            return self._coalescer.submit(group, (ids, request_class, classified, max_new_tokens, sampling, ends,
+                                                  arrived))
         finally:
             end_stream(ends)  # a request that failed before streaming still ends its stream
 
@@ -215,31 +230,30 @@ class AutotuneController:
         try:
             if not prompts:
                 raise InvalidRequestError("the batch is empty")
+            _check_label(request_class)
             seeds = seeds if seeds is not None else [None] * len(prompts)
             ends = ends or [None] * len(prompts)
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
-            limits = [max_new_tokens] * len(prompts)
-            return self._serve(prompts, request_class, limits, temperature, top_p, seeds, ends,
-                               [arrived] * len(prompts))
+            count = len(prompts)
+            return self._serve(prompts, [request_class] * count, [max_new_tokens] * count,
+                               [SamplingParams(temperature, top_p, seed) for seed in seeds], ends, [arrived] * count)
         finally:
             for streamer in ends:
                 end_stream(streamer)
 
     def _serve_coalesced(self, group, items) -> list:
         """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
-        request_class, classified, temperature, top_p = group
-        ids, limits, seeds, streamers, arrived = (list(column) for column in zip(*items))
+        ids, classes, classified, limits, sampling, streamers, arrived = (list(column) for column in zip(*items))
         try:
-            return self._serve(ids, request_class, limits, temperature, top_p, seeds, streamers, arrived, classified)
+            return self._serve(ids, classes, limits, sampling, streamers, arrived, classified)
         except InvalidRequestError:  # refused before decoding: nothing was streamed
             if len(items) == 1:
                 raise
         outcomes = []
-        for one, limit, seed, streamer, since in items:
+        for one, cls, was_classified, limit, sp, streamer, since in items:
             try:
-                outcomes.append(self._serve([one], request_class, [limit], temperature, top_p, [seed], [streamer],
-                                            [since], classified)[0])
+                outcomes.append(self._serve([one], [cls], [limit], [sp], [streamer], [since], [was_classified])[0])
             except InvalidRequestError as exc:
                 outcomes.append(exc)
         return outcomes
@@ -247,17 +261,18 @@ class AutotuneController:
     def _classify(self, features: dict) -> str:
         return self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS
 
-    def _serve(self, prompts, request_class, limits, temperature, top_p, seeds, streamers, arrived,
-               classified: bool = False) -> list[ControlledResult]:
-        sampling = [SamplingParams(temperature, top_p, seed) for seed in seeds]
+    def _serve(self, prompts, classes: list[str | None], limits, sampling: list[SamplingParams], streamers, arrived,
+               classified: list[bool] | None = None) -> list[ControlledResult]:
+        """Serve requests together on one arm. `classes[0]` None (no label from the caller): the
+        classifier's class for the first request stands for all of them."""
         ids = [self.engine.encode(p).tolist() for p in prompts]
-        features = request_features(ids[0], limits[0], temperature, top_p)  # the first stands for a batch
-        classified = classified or request_class is None
+        features = [request_features(i, limit, sp.temperature, sp.top_p) for i, limit, sp in zip(ids, limits, sampling)]
         load = len(ids)  # what prices a round; requests waiting for the engine do not change it
         started = time.perf_counter()
-        if request_class is None:
-            request_class = self._classify(features)
-        context = Context(request_class, load, features)
+        if classes[0] is None:
+            classes, classified = [self._classify(features[0])] * load, [True] * load
+        classified = classified or [False] * load
+        context = Context(classes[0] if len(set(classes)) == 1 else MIXED_CLASS, load, features[0])
         with self._policy_lock:
             arm = self.policy.choose(context)
             if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
@@ -280,7 +295,7 @@ class AutotuneController:
             costs.observe(arm, served, drafts=schedule is None and not any(r.fell_back for r in results))
         reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
         learn_started = time.perf_counter()
-        siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling[0], costs)
+        siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling, costs)
         learn_s = time.perf_counter() - learn_started
         with self._policy_lock:
             self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
@@ -290,17 +305,17 @@ class AutotuneController:
             if self.store is not None and self._updates % self.save_every == 0:
                 self._save_locked()
         out = []
-        for result, sp, since in zip(results, sampling, arrived):
+        for result, cls, labelled, feats, sp, since in zip(results, classes, classified, features, sampling, arrived):
             out.append(ControlledResult(
-                result.text, result.tokens, request_class, arm, result.metrics, goodput, reward, decision_s,
+                result.text, result.tokens, cls, arm, result.metrics, goodput, reward, decision_s,
                 learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error, engine_started - since,
             ))
             if self.store is not None:
-                self._record(out[-1], classified, features, sp)
+                self._record(out[-1], labelled, feats, sp)
         return out
 
-    def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits, sampling,
-                    costs: CostModel) -> dict:
+    def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits,
+                    sampling: list[SamplingParams], costs: CostModel) -> dict:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
         if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
             return {}

@@ -255,15 +255,18 @@ def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: l
 
 def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
                 requests: list[tuple[list[int], list[int], int]], prefill_s: float,
-                off_step_s: float, sampling: SamplingParams | None = None) -> dict[str, float]:
+                off_step_s: float, sampling: SamplingParams | list[SamplingParams] | None = None) -> dict[str, float]:
     """Estimated reward (OFF time / arm time) of each arm whose costs are known.
 
     `requests` holds (prompt, output, max_new_tokens) of one request, or of every request of a
     batch served together: a batch's round drafts as many tokens as its longest row does and
     lasts until its slowest row is done, at the costs measured at the batch's load. `prefill_s`
     is the target's prefill, which every arm pays; a drafter's own is priced from `costs`.
+    `sampling`: one for every request, or one per request (a batch may mix greedy and sampled).
     """
-    requests = [r for r in requests if len(r[1]) >= 2]
+    samplings = sampling if isinstance(sampling, list) else [sampling] * len(requests)
+    kept = [i for i, r in enumerate(requests) if len(r[1]) >= 2]
+    requests, samplings = [requests[i] for i in kept], [samplings[i] for i in kept]
     if not requests:
         return {}
     off_rounds = max(len(output) for _, output, _ in requests) - 1
@@ -276,11 +279,10 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     sequences = [prompt + output for prompt, output, _ in requests]
     prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
-    sampled = sampling is not None and not sampling.greedy
-    targets = [target_probabilities(engine, sequence, start, sampling) if sampled and longest else None
-               for sequence, start in zip(sequences, starts)]
-    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sampling)
-                          for sequence, start, target in zip(sequences, starts, targets)]
+    targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
+               else None for sequence, start, sp in zip(sequences, starts, samplings)]
+    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp)
+                          for sequence, start, target, sp in zip(sequences, starts, targets, samplings)]
                    for name, k in longest.items()}
     verify_cost = functools.cache(costs.verify_cost)  # the same few widths, for every round of every arm
     draft_cost = functools.cache(costs.draft_cost)

@@ -7,7 +7,7 @@ import torch
 
 from autotune.classifier import RequestClassifier
 from autotune.controller import AutotuneController
-from engine import MAX_K, OFF, Arm, NGramDrafter, SpeculativeEngine
+from engine import MAX_K, OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, PolicyError
 from store import Store
 
@@ -150,19 +150,22 @@ def test_concurrent_requests_from_threads_are_all_served_one_at_a_time_at_load_1
         assert sorted(o["queue_s"] for o in store.observations()) == waited
 
 
-def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alone(engine, target, tmp_path):
+@pytest.mark.parametrize("mix_classes", [True, False])
+def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alone(engine, target, tmp_path,
+                                                                                 mix_classes):
     too_long = list(range(60)) * 5  # 300 tokens: more than the target's context of 256
     with Store(f"sqlite:///{tmp_path / 'm.db'}") as store:
         ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2), Arm("ngram", 3)],
-                                 max_batch=8, batch_wait_ms=200, min_baseline_steps=4)
+                                 max_batch=8, batch_wait_ms=200, min_baseline_steps=4, mix_classes=mix_classes)
         start = threading.Barrier(8)
         results, errors = {}, {}
 
-        def worker(i):
+        def worker(i):  # even: code, greedy; odd: chat, sampled but for one
             start.wait()
+            sampled = {"temperature": 1.0, "seed": i} if i in (1, 3) else {}
             try:
-                results[i] = ctl.generate(too_long if i == 7 else PROMPTS[i], request_class="code",
-                                          max_new_tokens=6 + i)
+                results[i] = ctl.generate(too_long if i == 7 else PROMPTS[i], request_class="code" if i % 2 == 0
+                                          else "chat", max_new_tokens=6 + i, **sampled)
             except Exception as exc:
                 errors[i] = exc
 
@@ -171,18 +174,28 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
             start.reset()
             assert sorted(results) == list(range(7)) and list(errors) == [7]
             assert "exceeds the target's context" in str(errors[7])
-            for i, r in results.items():  # each its own length, the target's own greedy output
-                assert r.tokens == hf_greedy(target, PROMPTS[i], 6 + i)
-            assert max(r.load for r in results.values()) > 1  # served together, keyed on that load
+            for i, r in results.items():  # each its own length and class, greedy ones the target's own output
+                assert len(r.tokens) == 6 + i and r.request_class == ("code" if i % 2 == 0 else "chat")
+                if i not in (1, 3):
+                    assert r.tokens == hf_greedy(target, PROMPTS[i], 6 + i)
+            # served together and keyed on that load: batches of both classes, or one batch per class
+            loads = [r.load for r in results.values()]
+            assert max(loads) > 1 and (mix_classes or max(loads) <= 4)
         ctl.close()
         assert store.count() == 14
+        observations = store.observations()
+        assert {o["request_class"] for o in observations} == {"code", "chat"}  # each row its own class
+        assert all(o["features"]["prompt_tokens"] == o["prompt_tokens"] for o in observations)  # and features
+        assert any(key.startswith("(mixed)@load5+") for key in ctl.policy.state_dict()) == mix_classes
+        with pytest.raises(ValueError, match="batches of several classes"):
+            ctl.generate(PROMPTS[0], request_class="(mixed)")
 
 
 def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, target):
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
     prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
-    outcomes = ctl._serve_coalesced(("code", False, 0.0, 1.0), [(p, 4, None, None, 0.0) for p in prompts])
+    outcomes = ctl._serve_coalesced(None, [(p, "code", False, 4, SamplingParams(), None, 0.0) for p in prompts])
     assert "drafter 'small''s context" in str(outcomes[1])
     assert [outcomes[0].tokens, outcomes[2].tokens] == [hf_greedy(target, p, 4) for p in PROMPTS[:2]]
 

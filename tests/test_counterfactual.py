@@ -136,3 +136,21 @@ def test_arms_whose_drafter_never_ran_get_no_estimate(engine):
     assert set(estimates) == {"off", "small:1", "small:4"}
     assert estimates["off"] == pytest.approx(1.0)
     assert all(r > 0 for r in estimates.values())
+
+
+def test_a_batch_of_greedy_and_sampled_requests_replays_each_with_its_own_sampling(engine):
+    greedy, sampled = prompts(2, seed=11)
+    hot = SamplingParams(temperature=1.0, seed=3)
+    served = engine.generate_batch([greedy, sampled], "small:2", 16, [SamplingParams(), hot])
+    costs = CostModel()
+    costs.observe(Arm("small", 2), served.metrics)
+    costs.observe(OFF, engine.generate_batch([greedy, sampled], OFF, 16, [SamplingParams(), hot]).metrics)
+    rows = [(greedy, served.results[0].tokens, 16), (sampled, served.results[1].tokens, 16)]
+    arms = [Arm("small", 1), Arm("small", 2), Arm("small", 4)]
+
+    def estimate(requests, sampling):
+        return arm_rewards(engine, arms, costs, requests, served.metrics.prefill_s, costs.off_step(), sampling)
+
+    mixed = estimate(rows, [None, hot])
+    assert mixed == pytest.approx(estimate(rows[::-1], [hot, None]))  # each row's own, whatever the order
+    assert mixed != pytest.approx(estimate(rows, None))  # not the first row's sampling for both

@@ -33,7 +33,8 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                       requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
                       rounds: int = 2, progress=print) -> dict:
     """Clients on threads, each sending its requests one after another, through a controller that
-    serves them one at a time (max_batch 1) or coalesces those waiting together into batches.
+    serves them one at a time (max_batch 1) or coalesces those waiting together into batches,
+    one per class (`by-class`) or of every class waiting (`mixed`, the controller's default).
 
     Client c sends requests of class c mod len(classes). Every configuration (policy x max_batch)
     serves the same requests, configurations taking turns round by round; each keeps its
@@ -50,8 +51,12 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
         plan.append((cls, [engine.encode(cls.prompts[(first + j) % len(cls.prompts)]).tolist()
                            for j in range(requests_per_client)]))
     arms = default_arms(engine)
-    controllers = {f"{p}/batch{b}": AutotuneController(engine, policy=p, arms=arms, max_batch=b)
-                   for p in policies for b in (1, max_batch)}
+    controllers = {}
+    for p in policies:
+        controllers[f"{p}/batch1"] = AutotuneController(engine, policy=p, arms=arms)
+        for mix in (False, True):
+            controllers[f"{p}/batch{max_batch}-{'mixed' if mix else 'by-class'}"] = AutotuneController(
+                engine, policy=p, arms=arms, max_batch=max_batch, mix_classes=mix)
     stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # (tokens, latency, ttft, queue, load)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     for r in range(rounds):
@@ -88,8 +93,14 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                      "queue_s_p50": round(statistics.median(queued), 3), "queue_s_p99": p99(queued),
                      "mean_load": round(statistics.fmean(loads), 2)}
     tps = {name: v["tokens_per_s"] for name, v in out.items()}
+
+    def ratio(a: str, b: str) -> float:
+        return round(tps[a] / tps[b], 3)
+
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
             "rounds": rounds, "max_batch": max_batch, "configs": out,
-            "coalesced_vs_one_at_a_time": {p: round(tps[f"{p}/batch{max_batch}"] / tps[f"{p}/batch1"], 3)
-                                           for p in policies},
+            "coalesced_vs_one_at_a_time": {f"{p}/{how}": ratio(f"{p}/batch{max_batch}-{how}", f"{p}/batch1")
+                                           for p in policies for how in ("by-class", "mixed")},
+            "mixed_vs_by_class": {p: ratio(f"{p}/batch{max_batch}-mixed", f"{p}/batch{max_batch}-by-class")
+                                  for p in policies},
             "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}
