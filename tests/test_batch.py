@@ -44,10 +44,12 @@ def test_eos_inside_a_batched_draft_stops_that_row_only(target):
 
 
 def test_batched_sampling_draws_what_each_request_draws_alone(engine):
-    """Each row has its own generator, drawn in the single-request order; the single-request
+    """Each row has its own generator, drawn in the single-request order, and its own sampling
+    (a batch of several classes mixes greedy rows and temperatures); the single-request
     sampler's distribution is tested in test_sampling.py."""
     batch = prompts(8, seed=5)
-    params = [SamplingParams(temperature=1.0, top_p=0.9 if i % 2 else 1.0, seed=i) for i in range(8)]
+    params = [SamplingParams(temperature=(1.0, 0.0, 0.7)[i % 3], top_p=0.9 if i % 2 else 1.0, seed=i)
+              for i in range(8)]
     for arm in ("off", "small:3", "ngram:4", "hybrid:3"):
         alone = [engine.generate(p, arm, 20, s).tokens for p, s in zip(batch, params)]
         assert [r.tokens for r in engine.generate_batch(batch, arm, 20, params)] == alone, arm
