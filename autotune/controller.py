@@ -12,7 +12,8 @@ greedy request on the demo family and more for a batch or on a compiled engine, 
 every request would cost more than it teaches once the class has settled). What the policy
 learned is saved to the store every `save_every` requests and on close, and loaded again on
 start, so a restarted controller resumes without re-exploring. With `max_batch` > 1, single
-requests from concurrent threads are served together in batches (coalesce.py).
+requests from concurrent threads are served together in batches (coalesce.py), of every class
+waiting unless `mix_classes=False`.
 """
 
 from __future__ import annotations

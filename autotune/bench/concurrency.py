@@ -36,7 +36,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     serves them one at a time (max_batch 1) or coalesces those waiting together into batches,
     one per class (`by-class`) or of every class waiting (`mixed`, the controller's default).
 
-    Client c sends requests of class c mod len(classes). Every configuration (policy x max_batch)
+    Client c sends requests of class c mod len(classes). Every configuration (policy x batching)
     serves the same requests, configurations taking turns round by round; each keeps its
     controller (and what it learned) across rounds. Greedy outputs must be identical everywhere.
     Latency is from a client sending a request to its result; time to first token, to the
