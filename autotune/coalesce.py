@@ -8,8 +8,10 @@ running request each step). Here batches are formed when the engine falls free: 
 that finds it free becomes the leader, takes the oldest waiting request and every other one
 of its group (the caller's choice: the controller puts all its requests in one group, or one
 group per request class) up to `max_batch`, serves them and hands each caller its own
-result; requests that arrive meanwhile wait for the next batch. This is static batching,
-not continuous: a request does not join a batch already decoding.
+result. While it serves, the batch can take in requests of its group that arrive meanwhile
+(`Batch.join`, between two rounds: continuous batching) and hand each caller its result as
+soon as that request is done (`Batch.deliver`), so neither a newcomer nor a short request
+waits for the longest request of the batch.
 
 When requests were arriving together a moment before, the leader first waits up to `wait_s`
 for the rest of them (with 16 clients of 4 classes grouped by class, the default 2 ms gathered
@@ -33,16 +35,59 @@ class _Ticket:
     result: Any = None
     error: BaseException | None = None
 
+    def settle(self, outcome: Any) -> None:
+        if isinstance(outcome, BaseException):
+            self.error = outcome
+        else:
+            self.result = outcome
+        self.done = True
+
+
+class Batch:
+    """A batch being served: its items, the waiting requests it may take in, and early answers."""
+
+    def __init__(self, coalescer: Coalescer, group: Hashable, tickets: list[_Ticket]) -> None:
+        self._coalescer = coalescer
+        self.group = group
+        self._tickets = tickets
+
+    @classmethod
+    def of(cls, items: list, group: Hashable = None) -> Batch:
+        """A batch of these items outside any queue: nothing waits to join it."""
+        return cls(Coalescer(lambda group, batch: [], 1), group, [_Ticket(group, item) for item in items])
+
+    @property
+    def items(self) -> list:
+        """The batch's items: those it was formed with, then those it took in, in order."""
+        return [t.item for t in self._tickets]
+
+    def join(self, limit: int, accept: Callable[[Any], bool] = lambda item: True) -> list:
+        """Up to `limit` requests of the batch's group waiting now, oldest first, that `accept`
+        takes (the others go on waiting): they become the batch's next items."""
+        with self._coalescer._cv:
+            taken = [t for t in self._coalescer._queue if t.group == self.group and accept(t.item)][:max(limit, 0)]
+            ids = {id(t) for t in taken}
+            self._coalescer._queue = [t for t in self._coalescer._queue if id(t) not in ids]
+            self._tickets += taken
+        return [t.item for t in taken]
+
+    def deliver(self, index: int, outcome: Any) -> None:
+        """Hand item `index`'s caller its outcome (a result, or an exception to raise) now."""
+        with self._coalescer._cv:
+            self._tickets[index].settle(outcome)
+            self._coalescer._cv.notify_all()
+
 
 class Coalescer:
-    """`submit(group, item)` from any thread; `serve(group, items)` runs for batches of one group.
+    """`submit(group, item)` from any thread; `serve(group, batch)` runs for batches of one group.
 
-    `serve` returns one outcome per item, in order: a result, or an exception to raise in
-    that item's caller (so one bad request fails alone). An exception from `serve` itself
-    fails every caller of that batch.
+    `serve` returns one outcome per item of the `Batch` (those it took in included), in order:
+    a result, or an exception to raise in that item's caller (so one bad request fails
+    alone); an item already answered through `Batch.deliver` keeps that answer. An exception
+    from `serve` itself fails every caller of that batch still waiting.
     """
 
-    def __init__(self, serve: Callable[[Hashable, list], list], max_batch: int, wait_s: float = 0.002) -> None:
+    def __init__(self, serve: Callable[[Hashable, Batch], list], max_batch: int, wait_s: float = 0.002) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self._serve = serve
@@ -66,17 +111,15 @@ class Coalescer:
                     break
                 self._busy = True
                 batch = self._gather()
+            served = Batch(self, batch[0].group, batch)
             try:
-                outcomes = self._serve(batch[0].group, [t.item for t in batch])
+                outcomes = self._serve(served.group, served)
             except BaseException as exc:  # every caller of this batch hears of it
-                outcomes = [exc] * len(batch)
+                outcomes = [exc] * len(served._tickets)
             with self._cv:
-                for t, outcome in zip(batch, outcomes, strict=True):
-                    if isinstance(outcome, BaseException):
-                        t.error = outcome
-                    else:
-                        t.result = outcome
-                    t.done = True
+                for t, outcome in zip(served._tickets, outcomes, strict=True):
+                    if not t.done:
+                        t.settle(outcome)
                 self._last_batch = len(batch)
                 self._busy = False
                 self._cv.notify_all()

@@ -13,13 +13,16 @@ every request would cost more than it teaches once the class has settled). What 
 learned is saved to the store every `save_every` requests and on close, and loaded again on
 start, so a restarted controller resumes without re-exploring. With `max_batch` > 1, single
 requests from concurrent threads are served together in batches (coalesce.py), of every class
-waiting unless `mix_classes=False`.
+waiting unless `mix_classes=False`, which requests arriving later join between rounds
+(continuous batching; the policy decides again every `decide_every` rounds) and which hand
+each request back as soon as it is done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import threading
 import time
@@ -27,10 +30,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from autotune.classifier import RequestClassifier
-from autotune.coalesce import Coalescer
+from autotune.coalesce import Batch, Coalescer
 from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
-from engine import MAX_K, OFF, Arm, GenerationMetrics, InvalidRequestError, SamplingParams, SpeculativeEngine, Streamer
+from engine import (
+    MAX_K,
+    OFF,
+    Arm,
+    BatchRequest,
+    GenerationMetrics,
+    InvalidRequestError,
+    SamplingParams,
+    SpeculativeEngine,
+    Streamer,
+)
 from engine.streaming import EndsOnce, end_stream
 from policies import Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
@@ -56,6 +69,8 @@ class ControlledResult:
     request_class: str
     arm: Arm
     metrics: GenerationMetrics
+    # The batch's, as the policy learned them; a request handed back from a coalesced batch
+    # before the batch was done: its own (its tokens/s, its OFF time over its time).
     goodput: float
     reward: float
     decision_s: float
@@ -93,6 +108,8 @@ class AutotuneController:
         max_batch: int = 1,
         batch_wait_ms: float = 2.0,
         mix_classes: bool = True,
+        continuous: bool = True,
+        decide_every: int = 32,
         **policy_kwargs,
     ) -> None:
         self.engine = engine
@@ -132,6 +149,11 @@ class AutotuneController:
         # MIXED_CLASS when they differ), or with mix_classes=False one batch per class.
         self._coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
         self.mix_classes = mix_classes
+        # Continuous batching (_serve_continuous): requests arriving while a batch decodes join it
+        # between rounds, and the policy decides again every `decide_every` rounds of it.
+        # continuous=False: static batches, each decided once and decoded to its last row.
+        self.continuous = continuous
+        self.decide_every = decide_every
         self._threads: ThreadPoolExecutor | None = None  # agenerate's, made on first use
         self._threads_size = max(4, 2 * max_batch)  # a batch being served and the next one gathering
         if store is not None:
@@ -243,10 +265,13 @@ class AutotuneController:
             for streamer in ends:
                 end_stream(streamer)
 
-    def _serve_coalesced(self, group, items) -> list:
+    def _serve_coalesced(self, group, batch: Batch) -> list:
         """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
+        items = batch.items
         ids, classes, classified, limits, sampling, streamers, arrived = (list(column) for column in zip(*items))
         try:
+            if self.continuous and len(items) > 1:
+                return self._serve_continuous(batch)
             return self._serve(ids, classes, limits, sampling, streamers, arrived, classified)
         except InvalidRequestError:  # refused before decoding: nothing was streamed
             if len(items) == 1:
@@ -273,7 +298,7 @@ class AutotuneController:
         if classes[0] is None:
             classes, classified = [self._classify(features[0])] * load, [True] * load
         classified = classified or [False] * load
-        context = Context(classes[0] if len(set(classes)) == 1 else MIXED_CLASS, load, features[0])
+        context = Context(self._key(classes), load, features[0])
         with self._policy_lock:
             arm = self.policy.choose(context)
             if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
@@ -314,6 +339,135 @@ class AutotuneController:
             if self.store is not None:
                 self._record(out[-1], labelled, feats, sp)
         return out
+
+    def _serve_continuous(self, batch: Batch) -> list[ControlledResult]:
+        """A coalesced batch kept going (continuous batching): requests that arrive join it between
+        rounds, each is handed back as soon as it is done, and every `decide_every` rounds the
+        policy learns how those rounds went and picks the arm for the next ones, so no batch
+        drains for a decision. A segment of rounds scores the rounds OFF would have needed for
+        what its rows committed (the mean per live row, per round) at the OFF step cost its own
+        verifies imply, over the time it took (drafts, verifies, a drafter's prefill); replays
+        price whole requests, so segments are not replayed."""
+        requests: list[tuple] = []  # per request: (class, classified, features, sampling, arrived, began)
+        results: dict[int, ControlledResult] = {}
+        with self._engine_lock, self.gpu.measure() as gpu:
+
+            def take(items: list) -> None:
+                began = time.perf_counter()
+                for one, cls, was_classified, limit, sp, _, since in items:
+                    requests.append((cls, was_classified, request_features(one, limit, sp.temperature, sp.top_p),
+                                     sp, since, began))
+                session.add([BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
+
+            first = batch.items
+            started = time.perf_counter()
+            classes = [cls for _, cls, *_ in first]
+            features = request_features(first[0][0], first[0][3], first[0][4].temperature, first[0][4].top_p)
+            context, arm = self._decide(Context(self._key(classes), len(first), features))
+            session = self.engine.open_batch(arm)
+            take(first)  # refused (InvalidRequestError) before any decoding: see _serve_coalesced
+            segment = self._segment(context, session, time.perf_counter() - started)
+            while True:
+                room = self._coalescer.max_batch - session.live_rows
+                if room > 0 and (joining := batch.join(room, functools.partial(self._fits, session.arm))):
+                    take(joining)
+                for i, result in session.finished():
+                    cls, labelled, feats, sp, since, began = requests[i]
+                    with self._policy_lock:
+                        off_s, taken_s = self._row_times(segment["context"].key, result.metrics,
+                                                         self.costs.get(load_bucket(segment["context"].load)))
+                    results[i] = ControlledResult(
+                        result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
+                        off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
+                        *gpu.so_far(), result.fell_back, result.stream_error, began - since)
+                    if self.store is not None:
+                        self._record(results[i], labelled, feats, sp)
+                    batch.deliver(i, results[i])
+                if not session.live_rows:
+                    break
+                if session.metrics.rounds - segment["rounds"] >= self.decide_every:
+                    self._learn_segment(segment, session)
+                    started = time.perf_counter()
+                    live = [requests[i] for i in session.live]
+                    context, arm = self._decide(Context(self._key([r[0] for r in live]), len(live), live[0][2]))
+                    if arm != session.arm:
+                        try:
+                            session.switch(arm)
+                        except InvalidRequestError:  # a live row too long for that drafter: keep the arm
+                            pass
+                    segment = self._segment(context, session, time.perf_counter() - started)
+                session.step()
+            self._learn_segment(segment, session)
+            session.close()
+        return [results[i] for i in range(len(requests))]
+
+    def _decide(self, context: Context) -> tuple[Context, Arm]:
+        with self._policy_lock:
+            arm = self.policy.choose(context)
+            if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
+                arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
+        self._check_arm(arm)
+        return context, arm
+
+    @staticmethod
+    def _segment(context: Context, session, decision_s: float) -> dict:
+        """Where a segment of a continuous batch starts: the decision, and the batch's counters."""
+        return {"context": context, "decision_s": decision_s, "totals": session.totals(),
+                "rounds": session.metrics.rounds, "off_rounds": session.off_rounds, "row_rounds": session.row_rounds}
+
+    def _learn_segment(self, segment: dict, session) -> None:
+        """Update the policy with how the rounds since `segment` went on the session's arm."""
+        done = session.totals().minus(segment["totals"])
+        if not done.rounds:
+            return
+        arm, context = session.arm, segment["context"]
+        context = Context(context.request_class, max(1, round((session.row_rounds - segment["row_rounds"])
+                                                              / done.rounds)), context.features)
+        taken = done.draft_s + done.verify_s + done.draft_prefill_s
+        with self._policy_lock:
+            costs = self.costs.setdefault(load_bucket(context.load), CostModel())
+            # a drafter's prefill here covers whole contexts, not prompts: it prices no prompt token
+            costs.observe(arm, dataclasses.replace(done, draft_prefill_s=0.0), drafts=not session.fell_back)
+            base = self.baselines.setdefault(context.key, [0.0, 0.0])
+            if arm.is_off:
+                base[0] = base[0] * self.baseline_discount + done.rounds
+                base[1] = base[1] * self.baseline_discount + done.verify_s
+            step = costs.off_step_during(done) or (base[1] / base[0] if base[0] > 0 else None)
+            reward = (session.off_rounds - segment["off_rounds"]) * step / taken if step and taken > 0 else 1.0
+            siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
+                                       functools.partial(costs.draft_cost, arm.drafter))
+            self.policy.update(context, arm, Outcome(done.new_tokens / taken if taken > 0 else 0.0, reward,
+                                                     done.acceptance, done.new_tokens, siblings))
+            self._dirty.add(context.key)
+            self._updates += 1
+            if self.store is not None and self._updates % self.save_every == 0:
+                self._save_locked()
+
+    @staticmethod
+    def _key(classes: list[str]) -> str:
+        return classes[0] if len(set(classes)) == 1 else MIXED_CLASS
+
+    def _fits(self, arm: Arm, item) -> bool:
+        """Whether a waiting request can join a batch on `arm` (a drafter's context may be shorter)."""
+        ids, _, _, limit, *_ = item
+        try:
+            self.engine.check_request(len(ids), arm, limit)
+        except InvalidRequestError:
+            return False
+        return True
+
+    def _row_times(self, key: str, metrics: GenerationMetrics, costs: CostModel | None) -> tuple[float, float]:
+        """(seconds OFF would have taken, seconds taken) for one request of a continuous batch, its
+        own work only: its prefill and the rounds it was in (called holding the policy lock).
+        Both 0 before any OFF step cost is known."""
+        step = costs.off_step_during(metrics) if costs is not None else None
+        steps, seconds = self.baselines.get(key, (0.0, 0.0))
+        if step is None and steps > 0:
+            step = seconds / steps
+        if step is None:
+            return 0.0, 0.0
+        off_s = metrics.prefill_s - metrics.draft_prefill_s + max(metrics.new_tokens - 1, 0) * step
+        return off_s, metrics.prefill_s + metrics.draft_s + metrics.verify_s
 
     def _other_arms(self, context, arm, reward, schedule, results, served, ids, limits,
                     sampling: list[SamplingParams], costs: CostModel) -> dict:

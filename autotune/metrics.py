@@ -119,6 +119,14 @@ class _Measurement:
             self._thread.start()
         return self
 
+    def so_far(self) -> tuple[float | None, float | None]:
+        """Mean utilization and peak memory from the start until now: a request handed over
+        before its batch is done."""
+        if not self.monitor.available:
+            return None, None
+        samples = [*self._samples, self.monitor._sample()]
+        return sum(s[0] for s in samples) / len(samples), max(s[1] for s in samples)
+
     def __exit__(self, *exc) -> None:
         if not self.monitor.available:
             return

@@ -2,14 +2,14 @@
 
 from engine.arms import MAX_K, MIN_K, OFF, Arm
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter
-from engine.engine import BatchResult, GenerationMetrics, GenerationResult, SpeculativeEngine
+from engine.engine import BatchRequest, BatchResult, GenerationMetrics, GenerationResult, SpeculativeEngine
 from engine.errors import EngineError, IncompatibleDrafterError, InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.schedule import ConstantK, HeuristicK, KSchedule
 from engine.streaming import Streamer
 
 __all__ = [
-    "Arm", "OFF", "BatchResult", "MIN_K", "MAX_K", "Drafter", "HybridDrafter", "ModelDrafter",
+    "Arm", "OFF", "BatchRequest", "BatchResult", "MIN_K", "MAX_K", "Drafter", "HybridDrafter", "ModelDrafter",
     "NGramDrafter",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",

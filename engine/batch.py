@@ -12,9 +12,11 @@ slots stay in the cache as holes that a per-row mask hides from every later quer
 still sees itself, so no query row is fully masked). Positions are per row, so a row decodes
 exactly as it would alone: greedy output equals the target's own greedy output, and a
 sampled row draws from its own generator in the same order as `SpeculativeEngine.generate`.
-Finished rows leave the batch. Eager only (kvcache.GrowingCache); model, n-gram and hybrid drafters (the
-engine refuses others): in a hybrid round, rows whose context repeats take lookup drafts and the
-others share the model's batched steps.
+Finished rows leave the batch, and new requests can join it between rounds (`BatchRun.admit`:
+continuous batching, as vLLM and SGLang schedule every step). Eager only
+(kvcache.GrowingCache); model, n-gram and hybrid drafters (the engine refuses others): in a
+hybrid round, rows whose context repeats take lookup drafts and the others share the model's
+batched steps.
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ class BatchCache:
         """Row `row` rejected its slots from `start` on: holes from now on."""
         self.keep[row, start:] = False
 
+    def extend(self, other: BatchCache) -> None:
+        """Append `other`'s rows (requests joining the batch): each row's slots stay its own, the
+        shorter side padded with holes."""
+        slots = max(self.slots, other.slots)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.append_rows(theirs)
+        self.keep = torch.cat([torch.nn.functional.pad(keep, (0, slots - keep.shape[1]))
+                               for keep in (self.keep, other.keep)])
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch)."""
         index = torch.tensor(rows, device=self.keep.device)
@@ -104,6 +115,7 @@ class Row:
     stream_error: str | None = None  # its streamer raised: the row leaves the batch
     seen: int = 0  # tokens the drafter's cache holds for this row
     done: bool = False
+    joined_s: float = 0.0  # engine seconds into the batch's run when the row joined it
 
     @property
     def remaining(self) -> int:
@@ -151,111 +163,191 @@ class BatchDrafter:
         row.seen += fed
 
 
-def decode_batch(target: PreTrainedModel, drafter, rows: list[Row], k: int, eos: set[int], metrics: list,
-                 batch, clock) -> tuple[bool, str | None]:
-    """Decode every row to EOS or its max_new_tokens on arm (drafter, k); drafter None means OFF.
+class BatchRun:
+    """A batch decoding that requests join between rounds (continuous batching), on an arm that
+    may change between rounds.
 
-    Fills `metrics` (one GenerationMetrics per row) and `batch` (the whole batch's rounds,
-    drafter steps and times). Returns (fell_back, error): a drafter failure
-    turns the rest of the batch to OFF and every request is still served.
+    A row that joins is prefilled on its own (target, and the drafter's cache if the arm has a
+    model drafter), and its caches are appended to the batch's as more rows, their slots
+    padded with holes: masks and per-row positions already keep rows apart, so a row decodes
+    exactly as it would alone whenever it joined. A switch to another model drafter prefills
+    that drafter over every live row's context; K and n-gram lookup need nothing.
     """
-    device = target.device
-    started = clock()
-    target_cache = BatchCache(target, len(rows))
-    ids, live = _block([r.tokens for r in rows], device, right=True)
-    logits = target_cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
-    for b, r in enumerate(rows):
-        r.tokens.append(_pick(logits[b], r.sampling, r.generator))
-        r.done = r.tokens[-1] in eos or r.remaining <= 0
-    batch_drafter = None
-    fell_back, error = False, None
-    lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
-    model = model_drafter_of(drafter)
-    if model is not None:
-        target_done = clock()
-        try:
-            batch_drafter = BatchDrafter(model, rows)
-        except Exception as exc:  # speculation must never lose a request
-            drafter, fell_back, error = None, True, f"{type(exc).__name__}: {exc}"
-        batch.draft_prefill_s = clock() - target_done
-    now = clock()
-    batch.prefill_s = now - started
-    for m in metrics:
-        m.prefill_s, m.draft_prefill_s = batch.prefill_s, batch.draft_prefill_s
-    now += _stream(rows, [r.prompt_len for r in rows], batch, prompt=True)
-    live_rows = list(range(len(rows)))  # indexes into rows/metrics, in batch order
-    _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started - batch.stream_s)
-    while live_rows:
-        active = [rows[i] for i in live_rows]
-        ks = [max(0, min(k, r.remaining - 1)) if drafter is not None else 0 for r in active]
+
+    def __init__(self, target: PreTrainedModel, drafter, k: int, eos: set[int], batch, clock) -> None:
+        self.target, self.eos, self.batch, self.clock = target, eos, batch, clock
+        self.rows: list[Row] = []
+        self.metrics: list = []  # one GenerationMetrics per row
+        self.live: list[int] = []  # indexes into rows/metrics, in the caches' row order
+        self.finished: list[int] = []  # rows done since the caller last took them
+        self.target_cache: BatchCache | None = None
+        self.batch_drafter: BatchDrafter | None = None
+        self.fell_back, self.error = False, None
+        # Rounds OFF would have taken for what the rows gained: each round adds the mean number of
+        # tokens a live row committed (OFF commits one per row per round).
+        self.off_rounds = 0.0
+        self.row_rounds = 0  # live rows summed over rounds: over rounds, the mean load
+        self.started = clock()
+        self._set_arm(drafter, k)
+
+    def _set_arm(self, drafter, k: int) -> None:
+        self.drafter, self.k = drafter, k
+        self.lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
+
+    def switch(self, drafter, k: int) -> None:
+        """Decode on (drafter, k) from the next round on."""
+        model = model_drafter_of(drafter)
+        if model is not None and model is not model_drafter_of(self.drafter) and self.live and not self.fell_back:
+            began = self.clock()
+            try:
+                self.batch_drafter = BatchDrafter(model, [self.rows[i] for i in self.live])
+            except Exception as exc:  # speculation must never lose a request
+                self._fall_back(exc)
+                return
+            self.batch.draft_prefill_s += self.clock() - began
+        elif model is None:
+            self.batch_drafter = None
+        if not self.fell_back:
+            self._set_arm(drafter, k)
+
+    def elapsed(self) -> float:
+        """Engine seconds since the run began (the streamers' time left out)."""
+        return self.clock() - self.started - self.batch.stream_s
+
+    def admit(self, rows: list[Row], metrics: list) -> None:
+        """Prefill `rows` and add them to the batch from the next round on."""
+        began = self.clock()
+        joined_at = began - self.started - self.batch.stream_s
+        cache = BatchCache(self.target, len(rows))
+        ids, live = _block([r.tokens for r in rows], self.target.device, right=True)
+        logits = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
+        for b, r in enumerate(rows):
+            r.tokens.append(_pick(logits[b], r.sampling, r.generator))
+        draft_prefill = 0.0
+        drafter_cache = None
+        model = model_drafter_of(self.drafter)
+        if model is not None:
+            target_done = self.clock()
+            try:
+                drafter_cache = BatchDrafter(model, rows)
+            except Exception as exc:  # speculation must never lose a request
+                self._fall_back(exc)
+            draft_prefill = self.clock() - target_done
+        prefill = self.clock() - began
+        self.batch.prefill_s += prefill
+        self.batch.draft_prefill_s += draft_prefill
+        for r, m in zip(rows, metrics):
+            r.done = r.tokens[-1] in self.eos or r.remaining <= 0
+            r.joined_s = joined_at
+            m.prefill_s, m.draft_prefill_s = prefill, draft_prefill
+        first = len(self.rows)
+        self.rows += rows
+        self.metrics += metrics
+        if self.live:
+            self.target_cache.extend(cache)
+            if self.batch_drafter is not None:
+                self.batch_drafter.cache.extend(drafter_cache.cache)
+        else:  # the first rows, or every row before them has finished
+            self.target_cache = cache
+            self.batch_drafter = drafter_cache
+        self.live += range(first, len(self.rows))
+        _stream(rows, [r.prompt_len for r in rows], self.batch, prompt=True)
+        self._drop_finished()
+
+    def _fall_back(self, exc: Exception) -> None:
+        """The drafter failed: the rest of the run is OFF, and every request is still served."""
+        self.drafter, self.batch_drafter, self.lookup, self.fell_back = None, None, None, True
+        self.error = f"{type(exc).__name__}: {exc}"
+
+    def step(self) -> None:
+        """One round for every live row: draft, verify, commit."""
+        now = self.clock()
+        active = [self.rows[i] for i in self.live]
+        ks = [max(0, min(self.k, r.remaining - 1)) if self.drafter is not None else 0 for r in active]
         drafts, qs = [[] for _ in active], [None] * len(active)
         steps = 0  # batched drafter steps this round
         from_model = [False] * len(active)
-        if drafter is not None and max(ks) > 0:
+        if self.drafter is not None and max(ks) > 0:
             try:
-                if batch_drafter is not None:
-                    if lookup is not None:
-                        drafts = [lookup.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(active, ks)]
+                if self.batch_drafter is not None:
+                    if self.lookup is not None:
+                        drafts = [self.lookup.propose(r.tokens, kb, r.sampling, r.generator)[0]
+                                  for r, kb in zip(active, ks)]
                     from_model = [kb > 0 and not d for d, kb in zip(drafts, ks)]
                     model_ks = [kb if m else 0 for kb, m in zip(ks, from_model)]
                     if max(model_ks) > 0:
-                        model_drafts, model_qs = batch_drafter.propose(active, model_ks)
+                        model_drafts, model_qs = self.batch_drafter.propose(active, model_ks)
                         steps = max(model_ks)
                         for b in range(len(active)):
                             if from_model[b]:
                                 drafts[b], qs[b] = model_drafts[b], model_qs[b]
                 else:
-                    drafts = [drafter.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(active, ks)]
+                    drafts = [self.drafter.propose(r.tokens, kb, r.sampling, r.generator)[0]
+                              for r, kb in zip(active, ks)]
             except Exception as exc:
-                drafter, batch_drafter, fell_back, steps = None, None, True, 0
-                error = f"{type(exc).__name__}: {exc}"
-                drafts, qs = [[] for _ in active], [None] * len(active)
-        before_verify = clock()
-        batch.draft_s += before_verify - now
-        for i in live_rows:
-            metrics[i].draft_s += before_verify - now
-        ids, live = _block([[r.tokens[-1], *d] for r, d in zip(active, drafts)], device, right=False)
+                self._fall_back(exc)
+                steps, drafts, qs = 0, [[] for _ in active], [None] * len(active)
+        before_verify = self.clock()
+        self.batch.draft_s += before_verify - now
+        for i in self.live:
+            self.metrics[i].draft_s += before_verify - now
+        ids, live = _block([[r.tokens[-1], *d] for r, d in zip(active, drafts)], self.target.device, right=False)
         positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in active])
-        first_slot = target_cache.slots
-        logits = target_cache.forward(ids, positions, live)
+        first_slot = self.target_cache.slots
+        logits = self.target_cache.forward(ids, positions, live)
         prevs = [len(r.tokens) for r in active]
-        for b, (i, r, d) in enumerate(zip(live_rows, active, drafts)):
+        for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
             if r.sampling.greedy:
                 n, nxt = verify_greedy(logits[b, : len(d) + 1], d)
             else:
                 n, nxt = verify_sampled(probabilities(logits[b, : len(d) + 1], r.sampling), d, qs[b], r.generator)
-            target_cache.forget(b, first_slot + 1 + n)
+            self.target_cache.forget(b, first_slot + 1 + n)
             if steps:  # a lookup row kept none of the model's drafts, only its catch-up
-                batch_drafter.rollback(b, r, n if from_model[b] else 0, steps)
+                self.batch_drafter.rollback(b, r, n if from_model[b] else 0, steps)
             prev = len(r.tokens)
             r.tokens.extend(d[:n])
             r.tokens.append(nxt)
             for j, t in enumerate(r.tokens[prev:]):
-                if t in eos:
+                if t in self.eos:
                     del r.tokens[prev + j + 1:]
                     r.done = True
                     break
             r.done = r.done or r.remaining <= 0
-            m = metrics[i]
+            m = self.metrics[i]
             m.rounds += 1
             m.drafted += len(d)
             m.accepted += n
             for j in range(len(d)):
                 m.drafted_per_position[j] += 1
                 m.accepted_per_position[j] += j < n
-        now = clock()
-        batch.rounds += 1
+        spent = self.clock() - before_verify
+        self.off_rounds += sum(len(r.tokens) - prev for r, prev in zip(active, prevs)) / len(active)
+        self.row_rounds += len(active)
+        self.batch.rounds += 1
         round_steps = max(steps, *map(len, drafts))  # as far as the longest row drafted
-        batch.draft_steps += round_steps
-        batch.draft_rounds += round_steps > 0
-        batch.add_verify(ids.shape[1], now - before_verify)
-        for i in live_rows:
-            metrics[i].add_verify(ids.shape[1], now - before_verify)
-        now += _stream(active, prevs, batch)
-        _drop_finished(rows, live_rows, metrics, target_cache, batch_drafter, now - started - batch.stream_s)
-    batch.total_s = now - started - batch.stream_s
-    batch.new_tokens = sum(len(r.tokens) - r.prompt_len for r in rows)
-    return fell_back, error
+        self.batch.draft_steps += round_steps
+        self.batch.draft_rounds += round_steps > 0
+        self.batch.add_verify(ids.shape[1], spent)
+        for i in self.live:
+            self.metrics[i].add_verify(ids.shape[1], spent)
+        _stream(active, prevs, self.batch)
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        """Finished rows leave the batch (and wait in `finished` for the caller)."""
+        elapsed = self.elapsed()
+        keep = [b for b, i in enumerate(self.live) if not self.rows[i].done]
+        if len(keep) == len(self.live):
+            return
+        finished = [i for i in self.live if self.rows[i].done]
+        self.live[:] = [self.live[b] for b in keep]
+        if keep:
+            self.target_cache.select(keep)
+            if self.batch_drafter is not None:
+                self.batch_drafter.cache.select(keep)
+        for i in finished:
+            self.metrics[i].total_s = elapsed - self.rows[i].joined_s
+        self.finished += finished
 
 
 def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> float:
@@ -271,20 +363,6 @@ def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> 
     spent = time.perf_counter() - began
     batch.stream_s += spent
     return spent
-
-
-def _drop_finished(rows, live_rows: list[int], metrics, target_cache: BatchCache, batch_drafter, elapsed: float):
-    keep = [b for b, i in enumerate(live_rows) if not rows[i].done]
-    for i in live_rows:
-        if rows[i].done:
-            metrics[i].total_s = elapsed
-    if len(keep) == len(live_rows):
-        return
-    live_rows[:] = [live_rows[b] for b in keep]
-    if keep:
-        target_cache.select(keep)
-        if batch_drafter is not None:
-            batch_drafter.cache.select(keep)
 
 
 def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:

@@ -8,7 +8,9 @@ cache back to len(tokens) - 1. OFF is the same round with K = 0.
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.arms import MAX_K, OFF, Arm
-from engine.batch import Row, decode_batch
+from engine.batch import BatchRun, Row
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.runner import ModelRunner
@@ -51,6 +53,21 @@ class GenerationMetrics:
         row[0] += seconds
         row[1] += 1
 
+    def minus(self, earlier: GenerationMetrics) -> GenerationMetrics:
+        """What happened between `earlier` (a snapshot of the same counters) and now."""
+        out = GenerationMetrics()
+        for name, value in vars(self).items():
+            before = getattr(earlier, name)
+            if isinstance(value, dict):
+                value = {k: [a - b for a, b in zip(v, before.get(k, [0] * len(v)))] for k, v in value.items()}
+                value = {k: v for k, v in value.items() if v[-1]}
+            elif isinstance(value, list):
+                value = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(value)]
+            else:
+                value = value - before
+            setattr(out, name, value)
+        return out
+
     def trim_positions(self) -> None:
         """Drop the per-position counts beyond the last position ever drafted."""
         used = max((i + 1 for i, d in enumerate(self.drafted_per_position) if d), default=0)
@@ -84,6 +101,16 @@ class GenerationMetrics:
             tokens_per_s=self.tokens_per_s,
         )
         return out
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """A request joining a running batch (`generate_batch`'s `admit`)."""
+
+    prompt: str | list[int] | torch.Tensor
+    max_new_tokens: int = 64
+    sampling: SamplingParams | None = None
+    streamer: Streamer | None = None
 
 
 @dataclass
@@ -403,16 +430,23 @@ class SpeculativeEngine:
         max_new_tokens: int | list[int] = 64,
         sampling: SamplingParams | list[SamplingParams] | None = None,
         streamers: list[Streamer | None] | None = None,
+        admit: Callable[[int], list[BatchRequest]] | None = None,
+        on_done: Callable[[int, GenerationResult], None] | None = None,
     ) -> BatchResult:
         """Decode several requests together, in one forward pass per round, on one arm.
 
         Each request's output is the one `generate` gives it alone (see engine/batch.py). The
         time fields of each result are the batch's: prefill, draft and verify time of the rounds
-        the request took part in, and total_s when it finished; the batch's own metrics count
-        its rounds, drafter steps and wall time. `streamers`, one per request (or None), get each
-        request's output as its rounds commit it.
+        the request took part in, and total_s from its prefill to its last token; the batch's
+        own metrics count its rounds, drafter steps and wall time. `streamers`, one per request
+        (or None), get each request's output as its rounds commit it.
+
+        Continuous batching: `admit(live_rows)`, called before every round with the number of
+        rows decoding, returns requests (`BatchRequest`) that join the batch there, on its arm,
+        checked as its own prompts are. `on_done(i, result)` gets each request's result as soon
+        as the request is done; i counts the prompts, then the joiners in order, as the returned
+        results do.
         """
-        arm = Arm.parse(arm) if isinstance(arm, str) else arm
         if not prompts:
             raise InvalidRequestError("the batch is empty")
         count = len(prompts)
@@ -421,45 +455,38 @@ class SpeculativeEngine:
         streamers = streamers if streamers is not None else [None] * count
         if len(limits) != count or len(params) != count or len(streamers) != count:
             raise InvalidRequestError("max_new_tokens, sampling and streamers lists must have one entry per prompt")
-        rows = []
-        drafter = None
-        for prompt, limit, sp, streamer in zip(prompts, limits, params, streamers):
-            ids = self.encode(prompt)
-            drafter = self.check_request(ids.numel(), arm, limit)
-            rows.append(Row(ids.tolist(), ids.numel(), limit, sp, self._generator(sp), streamer))
-        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
-            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
-                                      " batches take model, n-gram and hybrid drafters")
+        session = self.open_batch(arm)
         try:
-            out = self._decode_batch(rows, arm, drafter)
+            session.add([BatchRequest(*request) for request in zip(prompts, limits, params, streamers)])
+            while True:
+                if admit is not None and (joining := admit(session.live_rows)):
+                    session.add(joining)
+                for i, result in session.finished():
+                    if on_done is not None:
+                        on_done(i, result)
+                if not session.live_rows:
+                    return session.close()
+                session.step()
         except BaseException:
-            for streamer in streamers:
-                end_stream(streamer)
+            session.abort()
             raise
-        for result, row in zip(out.results, rows):
-            ended = end_stream(row.streamer)
-            result.stream_error = row.stream_error or ended
-        return out
 
-    def _decode_batch(self, rows: list[Row], arm: Arm, drafter: Drafter | None) -> BatchResult:
-        metrics = [GenerationMetrics(prompt_tokens=r.prompt_len, drafted_per_position=[0] * MAX_K,
-                                     accepted_per_position=[0] * MAX_K) for r in rows]
-        batch = GenerationMetrics(prompt_tokens=sum(r.prompt_len for r in rows))
-        fell_back, error = decode_batch(self.target, drafter, rows, arm.k, self.eos_token_id, metrics, batch,
-                                        self._sync)
-        batch.drafted = sum(m.drafted for m in metrics)
-        batch.accepted = sum(m.accepted for m in metrics)
-        batch.drafted_per_position = [sum(col) for col in zip(*(m.drafted_per_position for m in metrics))]
-        batch.accepted_per_position = [sum(col) for col in zip(*(m.accepted_per_position for m in metrics))]
-        batch.trim_positions()
-        results = []
-        for r, m in zip(rows, metrics):
-            m.trim_positions()
-            tokens = r.tokens[r.prompt_len:]
-            m.new_tokens = len(tokens)
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
-            results.append(GenerationResult(tokens, arm, m, text, fell_back, error))
-        return BatchResult(results, batch)
+    def open_batch(self, arm: Arm | str = OFF) -> BatchSession:
+        """A batch run a round at a time (see `BatchSession`): for a server that keeps one batch
+        going, adding requests as they come and changing the arm between rounds."""
+        return BatchSession(self, Arm.parse(arm) if isinstance(arm, str) else arm)
+
+    def _batch_row(self, request: BatchRequest, arm: Arm) -> Row:
+        ids = self.encode(request.prompt)
+        self.check_request(ids.numel(), arm, request.max_new_tokens)
+        sampling = request.sampling or SamplingParams()
+        return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, self._generator(sampling),
+                   request.streamer)
+
+    @staticmethod
+    def _row_metrics(row: Row) -> GenerationMetrics:
+        return GenerationMetrics(prompt_tokens=row.prompt_len, drafted_per_position=[0] * MAX_K,
+                                 accepted_per_position=[0] * MAX_K)
 
     @staticmethod
     def _streamed(m: GenerationMetrics, since: float) -> float:
@@ -482,3 +509,128 @@ class SpeculativeEngine:
         if sampling.greedy:
             return int(logits.argmax())
         return sample(probabilities(logits, sampling), generator)
+
+
+class BatchSession:
+    """One batch decoding round by round, which requests join and leave between rounds
+    (continuous batching) and whose arm may change between rounds, as a server runs one
+    (vLLM's engine step): `add` requests, `step` one round, take the `finished` results,
+    `switch` the arm, `close` for the batch's metrics. Each request's output is the one it gets
+    alone, whatever rows it shared rounds with and whatever arms decoded it.
+    """
+
+    def __init__(self, engine: SpeculativeEngine, arm: Arm) -> None:
+        self.engine = engine
+        self.arm = arm
+        self.metrics = GenerationMetrics()  # the batch's: its rounds, drafter steps and times
+        self.results: dict[int, GenerationResult] = {}
+        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, engine.eos_token_id, self.metrics,
+                             engine._sync)
+
+    def _drafter(self, arm: Arm) -> Drafter | None:
+        drafter = self.engine.check_request(1, arm, 1)  # the drafter exists
+        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
+            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
+                                      " batches take model, n-gram and hybrid drafters")
+        return drafter
+
+    @property
+    def live_rows(self) -> int:
+        return len(self._run.live)
+
+    @property
+    def off_rounds(self) -> float:
+        """Rounds OFF would have taken to commit what the rows committed (the mean per live row, summed)."""
+        return self._run.off_rounds
+
+    @property
+    def fell_back(self) -> bool:
+        """A drafter failed: the batch went on OFF."""
+        return self._run.fell_back
+
+    @property
+    def live(self) -> list[int]:
+        """The indexes of the requests still decoding."""
+        return list(self._run.live)
+
+    @property
+    def row_rounds(self) -> int:
+        """Live rows summed over the rounds so far (over rounds: the mean load)."""
+        return self._run.row_rounds
+
+    def totals(self) -> GenerationMetrics:
+        """The batch's counters so far, for `GenerationMetrics.minus` between two moments: rounds,
+        drafter steps, times, and drafts kept (by position) over every request."""
+        out = copy.deepcopy(self.metrics)
+        out.new_tokens = sum(len(r.tokens) - r.prompt_len for r in self._run.rows)
+        metrics = self._run.metrics
+        out.drafted = sum(m.drafted for m in metrics)
+        out.accepted = sum(m.accepted for m in metrics)
+        out.drafted_per_position = [sum(m.drafted_per_position[j] for m in metrics if j < len(m.drafted_per_position))
+                                    for j in range(MAX_K)]
+        out.accepted_per_position = [sum(m.accepted_per_position[j] for m in metrics
+                                         if j < len(m.accepted_per_position)) for j in range(MAX_K)]
+        out.total_s = self._run.elapsed()
+        return out
+
+    @torch.inference_mode()
+    def add(self, requests: list[BatchRequest]) -> list[int]:
+        """Prefill `requests` (all checked first) into the batch; their indexes (in the order added)."""
+        rows = [self.engine._batch_row(request, self.arm) for request in requests]
+        first = len(self._run.rows)
+        self._run.admit(rows, [self.engine._row_metrics(r) for r in rows])
+        return list(range(first, first + len(rows)))
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """One round of every live row."""
+        self._run.step()
+
+    @torch.inference_mode()
+    def switch(self, arm: Arm) -> None:
+        """Decode on `arm` from the next round on; refused (InvalidRequestError) if a live row
+        does not fit its drafter's context."""
+        drafter = self._drafter(arm)
+        for i in self._run.live:
+            row = self._run.rows[i]
+            self.engine.check_request(row.prompt_len, arm, row.max_new_tokens)
+        self._run.switch(drafter, arm.k)
+        self.arm = arm if not self._run.fell_back else OFF
+
+    def finished(self) -> list[tuple[int, GenerationResult]]:
+        """The requests done since the last call, as (index, result); their streams are ended."""
+        out = []
+        for i in self._run.finished:
+            row, m = self._run.rows[i], self._run.metrics[i]
+            m.trim_positions()
+            tokens = row.tokens[row.prompt_len:]
+            m.new_tokens = len(tokens)
+            tokenizer = self.engine.tokenizer
+            text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+            result = GenerationResult(tokens, self.arm, m, text, self._run.fell_back, self._run.error)
+            ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
+            result.stream_error = row.stream_error or ended
+            self.results[i] = result
+            out.append((i, result))
+        self._run.finished = []
+        return out
+
+    def close(self) -> BatchResult:
+        """The results of every request (all done), in the order added, and the batch's metrics."""
+        self.finished()
+        batch, rows = self.metrics, self._run.rows
+        batch.total_s = self._run.elapsed()
+        batch.new_tokens = sum(len(r.tokens) - r.prompt_len for r in rows)
+        batch.prompt_tokens = sum(r.prompt_len for r in rows)
+        metrics = self._run.metrics
+        batch.drafted = sum(m.drafted for m in metrics)
+        batch.accepted = sum(m.accepted for m in metrics)
+        batch.drafted_per_position = [sum(col) for col in zip(*(m.drafted_per_position for m in metrics))]
+        batch.accepted_per_position = [sum(col) for col in zip(*(m.accepted_per_position for m in metrics))]
+        batch.trim_positions()
+        return BatchResult([self.results[i] for i in range(len(rows))], batch)
+
+    def abort(self) -> None:
+        """End every request's stream (the batch failed)."""
+        for row in self._run.rows:
+            end_stream(row.streamer)

@@ -22,7 +22,7 @@ MIN_CAPACITY = 256  # positions; doubled as needed
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose `keys`/`values` are views into buffers with room to grow.
 
-    Covers what the engine's loops do to a cache (append, crop, drop rows); beam-search
+    Covers what the engine's loops do to a cache (append, crop, drop and add rows); beam-search
     reordering and row repetition are DynamicLayer's and do not know the buffers.
     """
 
@@ -85,6 +85,22 @@ class GrowingLayer(DynamicLayer):
                 self._values[first:len(rows), :, :self.length] = self._values[moving, :, :self.length]
             self._keys, self._values = self._keys[:len(rows)], self._values[:len(rows)]
         self._set_length(self.length)
+
+    def append_rows(self, other: GrowingLayer) -> None:
+        """Put `other`'s rows after these (requests joining a batch), the shorter side's positions
+        padded with zeros up to the longer length; the caller's mask hides the padding (zeros,
+        not empty memory: a masked NaN would still poison attention's weighted sum)."""
+        length = max(self.length, other.length)
+        capacity = max(self._keys.shape[-2], other._keys.shape[-2])
+        rows = self._keys.shape[0]
+        keys = self._keys.new_zeros((rows + other._keys.shape[0], *self._keys.shape[1:-2], capacity,
+                                     self._keys.shape[-1]))
+        values = torch.zeros_like(keys)
+        for buffer, mine, theirs in ((keys, self.keys, other.keys), (values, self.values, other.values)):
+            buffer[:rows, ..., :self.length, :] = mine
+            buffer[rows:, ..., :other.length, :] = theirs
+        self._keys, self._values = keys, values
+        self._set_length(length)
 
 
 class GrowingCache(DynamicCache):

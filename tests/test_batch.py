@@ -3,7 +3,15 @@
 import pytest
 from test_engine import AlwaysWrongDrafter, hf_greedy, prompts
 
-from engine import HybridDrafter, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import (
+    Arm,
+    BatchRequest,
+    HybridDrafter,
+    InvalidRequestError,
+    NGramDrafter,
+    SamplingParams,
+    SpeculativeEngine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +61,68 @@ def test_batched_sampling_draws_what_each_request_draws_alone(engine):
     for arm in ("off", "small:3", "ngram:4", "hybrid:3"):
         alone = [engine.generate(p, arm, 20, s).tokens for p, s in zip(batch, params)]
         assert [r.tokens for r in engine.generate_batch(batch, arm, 20, params)] == alone, arm
+
+
+@pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
+def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm):
+    """Continuous batching: requests join between rounds (two at the 2nd round, one at the 5th,
+    two more once every row before them is done) and decode as they do alone, greedy and
+    sampled; each result is handed over the moment its row is done."""
+    first, joiners = prompts(3, seed=11), prompts(5, seed=12)
+    first_limits, joiner_limits = [4, 12, 30], [8, 20, 3, 15, 6]
+    first_params = [SamplingParams(seed=0), SamplingParams(1.0, seed=1), SamplingParams(seed=2)]
+    joiner_params = [SamplingParams(temperature=1.0 if i % 2 else 0.0, top_p=0.9, seed=10 + i) for i in range(5)]
+    waiting = [BatchRequest(p, n, s) for p, n, s in zip(joiners, joiner_limits, joiner_params)]
+    calls, live_at_join, done = [0], [], []
+
+    def admit(live_rows: int) -> list[BatchRequest]:
+        calls[0] += 1
+        take = min(2 if calls[0] == 2 else 1 if calls[0] == 5 else 2 if live_rows == 0 else 0, len(waiting))
+        live_at_join.extend([live_rows] * take)
+        return [waiting.pop(0) for _ in range(take)]
+
+    out = engine.generate_batch(first, arm, first_limits, first_params, admit=admit,
+                                on_done=lambda i, result: done.append((i, list(result.tokens))))
+    alone = [engine.generate(p, arm, n, s).tokens for p, n, s in
+             zip(first + joiners, first_limits + joiner_limits, first_params + joiner_params)]
+    assert [r.tokens for r in out] == alone
+    assert live_at_join[:2] == [3, 3] and live_at_join[3:] == [0, 0]  # the last two: an emptied batch
+    assert sorted(i for i, _ in done) == list(range(8)) and all(tokens == alone[i] for i, tokens in done)
+    assert [i for i, _ in done].index(0) < [i for i, _ in done].index(2)  # row 0 handed over first
+    assert all(0 < r.metrics.total_s <= out.metrics.total_s for r in out)
+    assert out.metrics.new_tokens == sum(map(len, alone))
+    assert out.metrics.prompt_tokens == sum(r.metrics.prompt_tokens for r in out)
+
+
+def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target):
+    """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, n-gram,
+    hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row)."""
+    batch, limits = prompts(6, seed=21), [10 + 4 * i for i in range(6)]
+    session = engine.open_batch("off")
+    session.add([BatchRequest(p, n) for p, n in zip(batch[:4], limits[:4])])
+    arms = ["small:3", "ngram:4", "hybrid:3", "self:2", "off", "small:2"]
+    rounds, done = 0, []
+    while session.live_rows:
+        if rounds == 4:
+            session.add([BatchRequest(p, n) for p, n in zip(batch[4:], limits[4:])])
+        if rounds % 3 == 2:
+            session.switch(Arm.parse(arms[rounds // 3 % len(arms)]))
+        session.step()
+        done += [i for i, _ in session.finished()]
+        rounds += 1
+    out = session.close()
+    assert [r.tokens for r in out] == [hf_greedy(target, p, n) for p, n in zip(batch, limits)]
+    assert sorted(done) == list(range(6)) and sum(r.metrics.accepted for r in out) > 0
+    assert rounds == out.metrics.rounds < session.off_rounds  # drafts kept: fewer rounds than OFF
+
+    near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
+    session = engine.open_batch("off")
+    session.add([BatchRequest(near_limit, 4)])
+    with pytest.raises(InvalidRequestError, match="drafter 'small''s context"):
+        session.switch(Arm("small", 3))
+    while session.live_rows:
+        session.step()
+    assert session.arm == Arm() and session.close()[0].tokens == hf_greedy(target, near_limit, 4)
 
 
 def test_a_failing_batched_drafter_falls_back_to_off(engine, target, draft_model, monkeypatch):

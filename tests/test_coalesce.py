@@ -12,7 +12,8 @@ def test_waiting_requests_of_a_group_are_served_together_in_arrival_order():
     release = threading.Event()
     batches = []
 
-    def serve(group, items):
+    def serve(group, batch):
+        items = batch.items
         batches.append((group, list(items)))
         if len(batches) == 1:
             release.wait(5)  # the first batch is still being served while the others arrive
@@ -45,13 +46,49 @@ def test_waiting_requests_of_a_group_are_served_together_in_arrival_order():
 def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_still_runs():
     calls = []
 
-    def serve(group, items):
-        calls.append(items)
+    def serve(group, batch):
+        calls.append(batch.items)
         if len(calls) == 1:
             raise RuntimeError("engine down")
-        return items
+        return batch.items
 
     coalescer = Coalescer(serve, max_batch=2)
     with pytest.raises(RuntimeError, match="engine down"):
         coalescer.submit("g", 1)
     assert coalescer.submit("g", 2) == 2
+
+
+def test_a_batch_takes_in_requests_arriving_while_it_is_served_and_answers_each_when_done():
+    batches, joined, outcomes = [], [], {}
+    first_answered = threading.Event()
+
+    def serve(group, batch):
+        batches.append((group, batch.items))
+        if batch.items == [0]:
+            deadline = time.monotonic() + 5
+            while len(coalescer._queue) < 3 and time.monotonic() < deadline:
+                time.sleep(0.001)  # requests 1 (g), 2 (h) and 3 (g) arrive while 0 is served
+            joined.extend(batch.join(5, accept=lambda item: item != 3))  # 2: another group; 3: refused
+            batch.deliver(0, "early 0")
+            first_answered.wait(5)  # its caller has its answer while the batch goes on
+        return [f"{group}{i}" for i in batch.items]
+
+    coalescer = Coalescer(serve, max_batch=8, wait_s=0.0)
+
+    def call(group, item):
+        outcomes[item] = coalescer.submit(group, item)
+        if item == 0:
+            first_answered.set()
+
+    threads = [threading.Thread(target=call, args=("g", 0))]
+    threads[0].start()
+    while not batches:
+        time.sleep(0.001)
+    for group, item in [("g", 1), ("h", 2), ("g", 3)]:
+        threads.append(threading.Thread(target=call, args=(group, item)))
+        threads[-1].start()
+    for t in threads:
+        t.join(5)
+    assert joined == [1] and first_answered.is_set()
+    assert outcomes == {0: "early 0", 1: "g1", 2: "h2", 3: "g3"}
+    assert batches[0] == ("g", [0]) and sorted(batches[1:]) == [("g", [3]), ("h", [2])]  # 1 rode with 0

@@ -1,11 +1,13 @@
 """The controller end to end on tiny random models: serve, measure, learn, persist, resume."""
 
 import threading
+import time
 
 import pytest
 import torch
 
 from autotune.classifier import RequestClassifier
+from autotune.coalesce import Batch
 from autotune.controller import AutotuneController
 from engine import MAX_K, OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, PolicyError
@@ -191,11 +193,74 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
             ctl.generate(PROMPTS[0], request_class="(mixed)")
 
 
+class FirstRound:
+    """A streamer that tells when its request's first output round has been decoded."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event, self.puts = event, 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:  # the prompt, then the first round
+            self.event.set()
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, target, tmp_path, continuous):
+    """Continuous batching: short requests sent while a batch of long ones decodes join it and
+    return long before it ends, with their own output, and the policy learns every 32 rounds of
+    the batch; with continuous=False they wait for it, and it is learned from once."""
+    with Store(f"sqlite:///{tmp_path / 'j.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2)], max_batch=8,
+                                 batch_wait_ms=200, continuous=continuous, min_baseline_steps=4)
+        decoding = threading.Event()
+        finished, results = {}, {}
+
+        def worker(i):
+            if i < 3:
+                streamer = FirstRound(decoding) if i == 0 else None
+                results[i] = ctl.generate(PROMPTS[i], "code", max_new_tokens=200, streamer=streamer)
+            else:  # short ones, of another class, once that batch is decoding
+                decoding.wait(10)
+                results[i] = ctl.generate(PROMPTS[i], "chat", max_new_tokens=3 + i, temperature=(i % 2) * 1.0,
+                                          seed=i)
+            finished[i] = time.perf_counter()
+
+        queue = ctl._coalescer
+        with queue._cv:  # the engine is busy while the long ones arrive: they wait, then form one batch
+            queue._busy = True
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+        for t in threads[:3]:
+            t.start()
+        while len(queue._queue) < 3:
+            time.sleep(0.001)
+        with queue._cv:
+            queue._busy = False
+            queue._cv.notify_all()
+        for t in threads[3:]:
+            t.start()
+        for t in threads:
+            t.join()
+        ctl.close()
+        for i, r in results.items():
+            assert len(r.tokens) == (200 if i < 3 else 3 + i) and r.request_class == ("code" if i < 3 else "chat")
+        assert [results[i].tokens for i in (0, 1, 2, 4)] == [
+            hf_greedy(target, PROMPTS[i], 200 if i < 3 else 7) for i in (0, 1, 2, 4)]
+        joined = max(finished[i] for i in (3, 4, 5)) < min(finished[i] for i in (0, 1, 2))
+        assert joined == continuous
+        assert store.count() == 6
+        assert ctl._updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
+
+
 def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, target):
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
     prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
-    outcomes = ctl._serve_coalesced(None, [(p, "code", False, 4, SamplingParams(), None, 0.0) for p in prompts])
+    outcomes = ctl._serve_coalesced(None, Batch.of([(p, "code", False, 4, SamplingParams(), None, 0.0)
+                                                    for p in prompts]))
     assert "drafter 'small''s context" in str(outcomes[1])
     assert [outcomes[0].tokens, outcomes[2].tokens] == [hf_greedy(target, p, 4) for p in PROMPTS[:2]]
 

@@ -1,5 +1,5 @@
 """`autotune bench concurrency`: client threads calling the controller at once, served one at a
-time or coalesced into batches."""
+time, in static batches, or continuously batched."""
 
 from __future__ import annotations
 
@@ -33,8 +33,11 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                       requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
                       rounds: int = 2, progress=print) -> dict:
     """Clients on threads, each sending its requests one after another, through a controller that
-    serves them one at a time (max_batch 1) or coalesces those waiting together into batches,
-    one per class (`by-class`) or of every class waiting (`mixed`, the controller's default).
+    serves them one at a time (max_batch 1) or coalesces those waiting together into batches of
+    every class waiting: static (`static`: continuous=False, a request arriving while a batch
+    decodes waits for it to end) or continuous (`continuous`, the controller's default: it joins
+    the batch at the next round, every request returns when it is done, and the policy decides
+    again every `decide_every` rounds).
 
     Client c sends requests of class c mod len(classes). Every configuration (policy x batching)
     serves the same requests, configurations taking turns round by round; each keeps its
@@ -54,9 +57,9 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     controllers = {}
     for p in policies:
         controllers[f"{p}/batch1"] = AutotuneController(engine, policy=p, arms=arms)
-        for mix in (False, True):
-            controllers[f"{p}/batch{max_batch}-{'mixed' if mix else 'by-class'}"] = AutotuneController(
-                engine, policy=p, arms=arms, max_batch=max_batch, mix_classes=mix)
+        for how, continuous in (("static", False), ("continuous", True)):
+            controllers[f"{p}/batch{max_batch}-{how}"] = AutotuneController(
+                engine, policy=p, arms=arms, max_batch=max_batch, continuous=continuous)
     stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # (tokens, latency, ttft, queue, load)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     for r in range(rounds):
@@ -100,7 +103,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
             "rounds": rounds, "max_batch": max_batch, "configs": out,
             "coalesced_vs_one_at_a_time": {f"{p}/{how}": ratio(f"{p}/batch{max_batch}-{how}", f"{p}/batch1")
-                                           for p in policies for how in ("by-class", "mixed")},
-            "mixed_vs_by_class": {p: ratio(f"{p}/batch{max_batch}-mixed", f"{p}/batch{max_batch}-by-class")
-                                  for p in policies},
+                                           for p in policies for how in ("static", "continuous")},
+            "continuous_vs_static": {p: ratio(f"{p}/batch{max_batch}-continuous", f"{p}/batch{max_batch}-static")
+                                     for p in policies},
             "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}
