@@ -618,17 +618,10 @@ class BatchSession:
     def close(self) -> BatchResult:
         """The results of every request (all done), in the order added, and the batch's metrics."""
         self.finished()
-        batch, rows = self.metrics, self._run.rows
-        batch.total_s = self._run.elapsed()
-        batch.new_tokens = sum(len(r.tokens) - r.prompt_len for r in rows)
-        batch.prompt_tokens = sum(r.prompt_len for r in rows)
-        metrics = self._run.metrics
-        batch.drafted = sum(m.drafted for m in metrics)
-        batch.accepted = sum(m.accepted for m in metrics)
-        batch.drafted_per_position = [sum(col) for col in zip(*(m.drafted_per_position for m in metrics))]
-        batch.accepted_per_position = [sum(col) for col in zip(*(m.accepted_per_position for m in metrics))]
+        batch = self.totals()  # sums per position over untrimmed lengths: rows were trimmed when done
+        batch.prompt_tokens = sum(r.prompt_len for r in self._run.rows)
         batch.trim_positions()
-        return BatchResult([self.results[i] for i in range(len(rows))], batch)
+        return BatchResult([self.results[i] for i in range(len(self._run.rows))], batch)
 
     def abort(self) -> None:
         """End every request's stream (the batch failed)."""
