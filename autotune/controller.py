@@ -343,11 +343,9 @@ class AutotuneController:
     def _serve_continuous(self, batch: Batch) -> list[ControlledResult]:
         """A coalesced batch kept going (continuous batching): requests that arrive join it between
         rounds, each is handed back as soon as it is done, and every `decide_every` rounds the
-        policy learns how those rounds went and picks the arm for the next ones, so no batch
-        drains for a decision. A segment of rounds scores the rounds OFF would have needed for
-        what its rows committed (the mean per live row, per round) at the OFF step cost its own
-        verifies imply, over the time it took (drafts, verifies, a drafter's prefill); replays
-        price whole requests, so segments are not replayed."""
+        policy learns how those rounds went (`_learn_segment`) and picks the arm for the next
+        ones, so no batch drains for a decision. Replays price whole requests, so segments are
+        not replayed."""
         requests: list[tuple] = []  # per request: (class, classified, features, sampling, arrived, began)
         results: dict[int, ControlledResult] = {}
         with self._engine_lock, self.gpu.measure() as gpu:
@@ -385,7 +383,7 @@ class AutotuneController:
                     batch.deliver(i, results[i])
                 if not session.live_rows:
                     break
-                if session.metrics.rounds - segment["rounds"] >= self.decide_every:
+                if session.metrics.rounds - segment["totals"].rounds >= self.decide_every:
                     self._learn_segment(segment, session)
                     started = time.perf_counter()
                     live = [requests[i] for i in session.live]
@@ -413,17 +411,31 @@ class AutotuneController:
     def _segment(context: Context, session, decision_s: float) -> dict:
         """Where a segment of a continuous batch starts: the decision, and the batch's counters."""
         return {"context": context, "decision_s": decision_s, "totals": session.totals(),
-                "rounds": session.metrics.rounds, "off_rounds": session.off_rounds, "row_rounds": session.row_rounds}
+                "committed": session.committed, "row_rounds": session.row_rounds}
 
     def _learn_segment(self, segment: dict, session) -> None:
-        """Update the policy with how the rounds since `segment` went on the session's arm."""
+        """Update the policy with how the rounds since `segment` went on the session's arm.
+
+        The reward is the segment's tokens per second over OFF's at the same load: the tokens
+        its rounds committed per live row and round (OFF: one), times what an OFF round costs,
+        over the segment's engine time. That time is everything but the target's prefills of
+        requests joining (any arm pays those): drafts, verifies, drafters' prefills, and the
+        copies of the caches as rows join and leave, which a speculative batch makes more of
+        (its rows finish at different rounds; OFF's joined together finish together). Counting
+        drafts and verifies only, segments of speculative arms scored 1.1-1.45 on the demo
+        family where their batches measured 0.95-1.04x OFF's tokens/s. An OFF round costs the OFF
+        step that the segment's own verifies imply (the machine's speed of the moment, see
+        CostModel.off_step_during), times the engine seconds OFF rounds take per second of their
+        verify (measured on OFF segments at this load).
+        """
         done = session.totals().minus(segment["totals"])
         if not done.rounds:
             return
         arm, context = session.arm, segment["context"]
-        context = Context(context.request_class, max(1, round((session.row_rounds - segment["row_rounds"])
-                                                              / done.rounds)), context.features)
-        taken = done.draft_s + done.verify_s + done.draft_prefill_s
+        rows = session.row_rounds - segment["row_rounds"]
+        gain = (session.committed - segment["committed"]) / rows  # tokens per row and round; OFF: 1
+        context = Context(context.request_class, max(1, round(rows / done.rounds)), context.features)
+        taken = done.total_s - (done.prefill_s - done.draft_prefill_s)
         with self._policy_lock:
             costs = self.costs.setdefault(load_bucket(context.load), CostModel())
             # a drafter's prefill here covers whole contexts, not prompts: it prices no prompt token
@@ -432,11 +444,13 @@ class AutotuneController:
             if arm.is_off:
                 base[0] = base[0] * self.baseline_discount + done.rounds
                 base[1] = base[1] * self.baseline_discount + done.verify_s
+                costs.observe_off_decode(taken, done.verify_s)
             step = costs.off_step_during(done) or (base[1] / base[0] if base[0] > 0 else None)
-            reward = (session.off_rounds - segment["off_rounds"]) * step / taken if step and taken > 0 else 1.0
+            factor = costs.off_decode_factor()
+            reward = gain * done.rounds * step * factor / taken if step and factor and taken > 0 else 1.0
             siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
                                        functools.partial(costs.draft_cost, arm.drafter))
-            self.policy.update(context, arm, Outcome(done.new_tokens / taken if taken > 0 else 0.0, reward,
+            self.policy.update(context, arm, Outcome(gain * rows / taken if taken > 0 else 0.0, reward,
                                                      done.acceptance, done.new_tokens, siblings))
             self._dirty.add(context.key)
             self._updates += 1

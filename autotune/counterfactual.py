@@ -49,6 +49,7 @@ class CostModel:
         self.draft: dict[str, dict[int, list[float]]] = {}  # drafter -> K played -> [seconds, rounds, steps]
         self.verify: dict[int, list[float]] = {}  # tokens per verify -> [seconds, rounds]
         self.prefill: dict[str, list[float]] = {}  # drafter -> [seconds of its prefill, prompt tokens]
+        self.off_decode = [0.0, 0.0]  # OFF in continuous batches: [engine seconds decoding, of them verifying]
 
     def observe(self, arm: Arm, metrics, drafts: bool = True) -> None:
         """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it)."""
@@ -62,8 +63,19 @@ class CostModel:
         for width, (seconds, rounds) in metrics.verify_by_width.items():  # as fed: n-gram rounds vary
             self._add(self.verify, width, [seconds, rounds])
 
+    def observe_off_decode(self, seconds: float, verify_s: float) -> None:
+        """Add OFF rounds of a continuous batch: all their engine seconds (rows joining and
+        leaving copy the caches, the controller works between rounds) and those spent verifying."""
+        self.off_decode = [self.off_decode[0] * self.discount + seconds, self.off_decode[1] * self.discount + verify_s]
+
+    def off_decode_factor(self) -> float | None:
+        """Engine seconds an OFF round of a continuous batch takes per second of its verify; None before one ran."""
+        seconds, verify_s = self.off_decode
+        return seconds / verify_s if verify_s > 0 else None
+
     def state_dict(self) -> dict:
-        return {"discount": self.discount, "draft": self.draft, "verify": self.verify, "prefill": self.prefill}
+        return {"discount": self.discount, "draft": self.draft, "verify": self.verify, "prefill": self.prefill,
+                "off_decode": self.off_decode}
 
     @classmethod
     def from_state(cls, state: dict) -> CostModel:
@@ -72,6 +84,7 @@ class CostModel:
         costs.draft = {d: {int(k): list(v) for k, v in rows.items()} for d, rows in state["draft"].items()}
         costs.verify = {int(w): list(v) for w, v in state["verify"].items()}
         costs.prefill = {d: list(v) for d, v in state["prefill"].items()}
+        costs.off_decode = list(state.get("off_decode", costs.off_decode))  # stores saved before it existed
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:

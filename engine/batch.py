@@ -183,10 +183,10 @@ class BatchRun:
         self.target_cache: BatchCache | None = None
         self.batch_drafter: BatchDrafter | None = None
         self.fell_back, self.error = False, None
-        # Rounds OFF would have taken for what the rows gained: each round adds the mean number of
-        # tokens a live row committed (OFF commits one per row per round).
-        self.off_rounds = 0.0
-        self.row_rounds = 0  # live rows summed over rounds: over rounds, the mean load
+        # Tokens the rounds committed, and live rows summed over rounds (OFF commits one per row
+        # per round, so committed / row_rounds is a round's gain over OFF; row_rounds / rounds, the mean load).
+        self.committed = 0
+        self.row_rounds = 0
         self.started = clock()
         self._set_arm(drafter, k)
 
@@ -204,7 +204,9 @@ class BatchRun:
             except Exception as exc:  # speculation must never lose a request
                 self._fall_back(exc)
                 return
-            self.batch.draft_prefill_s += self.clock() - began
+            spent = self.clock() - began
+            self.batch.prefill_s += spent  # a prefill, the drafter's only, as a join's counts it
+            self.batch.draft_prefill_s += spent
         elif model is None:
             self.batch_drafter = None
         if not self.fell_back:
@@ -321,7 +323,7 @@ class BatchRun:
                 m.drafted_per_position[j] += 1
                 m.accepted_per_position[j] += j < n
         spent = self.clock() - before_verify
-        self.off_rounds += sum(len(r.tokens) - prev for r, prev in zip(active, prevs)) / len(active)
+        self.committed += sum(len(r.tokens) - prev for r, prev in zip(active, prevs))
         self.row_rounds += len(active)
         self.batch.rounds += 1
         round_steps = max(steps, *map(len, drafts))  # as far as the longest row drafted
@@ -340,11 +342,16 @@ class BatchRun:
         if len(keep) == len(self.live):
             return
         finished = [i for i in self.live if self.rows[i].done]
-        self.live[:] = [self.live[b] for b in keep]
-        if keep:
-            self.target_cache.select(keep)
+        # Each hole among the first len(keep) cache rows takes a kept row from behind them, so the
+        # caches copy one row per request that left, not every row behind it (row order is free).
+        behind = [b for b in keep if b >= len(keep)]
+        kept = set(keep)
+        order = [b if b in kept else behind.pop() for b in range(len(keep))]
+        self.live[:] = [self.live[b] for b in order]
+        if order:
+            self.target_cache.select(order)
             if self.batch_drafter is not None:
-                self.batch_drafter.cache.select(keep)
+                self.batch_drafter.cache.select(order)
         for i in finished:
             self.metrics[i].total_s = elapsed - self.rows[i].joined_s
         self.finished += finished

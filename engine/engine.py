@@ -539,9 +539,9 @@ class BatchSession:
         return len(self._run.live)
 
     @property
-    def off_rounds(self) -> float:
-        """Rounds OFF would have taken to commit what the rows committed (the mean per live row, summed)."""
-        return self._run.off_rounds
+    def committed(self) -> int:
+        """Output tokens the rounds so far committed, over every row (a prefill's first token excluded)."""
+        return self._run.committed
 
     @property
     def fell_back(self) -> bool:

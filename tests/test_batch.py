@@ -113,7 +113,9 @@ def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine,
     out = session.close()
     assert [r.tokens for r in out] == [hf_greedy(target, p, n) for p, n in zip(batch, limits)]
     assert sorted(done) == list(range(6)) and sum(r.metrics.accepted for r in out) > 0
-    assert rounds == out.metrics.rounds < session.off_rounds  # drafts kept: fewer rounds than OFF
+    assert rounds == out.metrics.rounds
+    assert session.committed == sum(len(r.tokens) - 1 for r in out)  # all but each prefill's token
+    assert session.row_rounds < session.committed  # drafts kept: OFF commits one token per row and round
 
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
     session = engine.open_batch("off")

@@ -336,6 +336,40 @@ def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_a
     assert ctl._reward("code@load1", Arm("small", 2), spec(0.5), costs=costs) == pytest.approx(0.17 / 0.093)
 
 
+class SegmentOf:
+    """A continuous batch's counters as `_learn_segment` reads them, for a segment that starts at zero."""
+
+    def __init__(self, arm: Arm, metrics, committed: int, row_rounds: int) -> None:
+        self.arm, self.fell_back, self.committed, self.row_rounds = arm, False, committed, row_rounds
+        self._metrics = metrics
+
+    def totals(self):
+        return self._metrics
+
+
+def test_a_continuous_segment_scores_its_tokens_per_engine_second_against_off(engine):
+    """Rows joining and leaving copy the caches, and a speculative batch does that more often
+    (its rows finish at different rounds): a segment is priced on all its engine time but the
+    target's prefills of joiners, which every arm pays, not on its drafts and verifies alone."""
+    from engine import GenerationMetrics
+
+    ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)])
+    rewards = []
+    update = ctl.policy.update
+    ctl.policy.update = lambda context, arm, outcome: (rewards.append(outcome.reward), update(context, arm, outcome))
+    start = {"context": Context("code", 10, {}), "decision_s": 0.0, "totals": GenerationMetrics(), "committed": 0,
+             "row_rounds": 0}
+    # OFF: 10 rows x 100 rounds of 10 ms verifies, 1.25 s in all with the copies and the controller's work.
+    off = GenerationMetrics(rounds=100, verify_s=1.0, verify_by_width={1: [1.0, 100]}, total_s=1.25)
+    ctl._learn_segment(start, SegmentOf(OFF, off, committed=1000, row_rounds=1000))
+    # small:2, the same 1000 tokens in 50 rounds: 11 ms verifies, 4 ms drafts, 0.4 s of copies and 0.1 s
+    # of its drafter's prefills of joiners (1.25 s, as OFF took), and 0.5 s of the target's prefills of joiners.
+    spec = GenerationMetrics(rounds=50, draft_s=0.2, draft_steps=100, draft_rounds=50, verify_s=0.55,
+                             verify_by_width={3: [0.55, 50]}, prefill_s=0.6, draft_prefill_s=0.1, total_s=1.75)
+    ctl._learn_segment(start, SegmentOf(Arm("small", 2), spec, committed=1000, row_rounds=500))
+    assert rewards == pytest.approx([1.0, 1.0])  # drafts, verifies and prefill alone: 1.18
+
+
 def test_a_learning_policy_serves_off_until_the_baseline_has_enough_steps(engine):
     ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)], min_baseline_steps=20)
     arms = [str(ctl.generate(PROMPTS[i], request_class="code", max_new_tokens=8).arm) for i in range(4)]

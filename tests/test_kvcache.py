@@ -1,4 +1,4 @@
-"""The growing KV cache gives the logits of a full forward through growth, crops and dropped rows."""
+"""The growing KV cache gives the logits of a full forward through growth, crops, dropped and joining rows."""
 
 import torch
 from conftest import tiny_llama
@@ -29,8 +29,21 @@ def test_growing_cache_matches_a_full_forward(monkeypatch):
         assert cache.get_seq_length() == at
         assert cache.layers[0]._keys.shape[-2] >= at > 4  # it grew past its first capacity
 
-        for rows in ([0, 2, 3], [2, 0]):  # a row finishes and the rest move up in place; then a reordering
+        # Row 1 finishes and the last row takes its place (as BatchRun fills holes); then the two swap.
+        for rows in ([0, 3, 2], [1, 0]):
             cache.batch_select_indices(torch.tensor(rows))
             tokens, full = tokens[rows], full[rows]
             torch.testing.assert_close(feed(tokens[:, at:at + 3]), full[:, at:at + 3], rtol=1e-4, atol=1e-4)
             at += 3
+
+        # Two requests join, into the buffers' rows that left: no new buffer, and every row decodes on.
+        joining = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+        joined = kvcache.GrowingCache(model.config)
+        model(joining[:, :at], past_key_values=joined, use_cache=True)
+        buffer = cache.layers[0]._keys.data_ptr()
+        for mine, theirs in zip(cache.layers, joined.layers, strict=True):
+            mine.append_rows(theirs)
+        assert cache.layers[0]._keys.data_ptr() == buffer
+        tokens = torch.cat([tokens, joining])
+        full = torch.cat([full, model(joining, use_cache=False).logits])
+        torch.testing.assert_close(feed(tokens[:, at:at + 3]), full[:, at:at + 3], rtol=1e-4, atol=1e-4)
