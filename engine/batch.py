@@ -34,12 +34,21 @@ from engine.streaming import Streamer, put_prompt, put_tokens
 
 
 class BatchCache:
-    """One model's KV cache for a batch: append-only, with a mask of the slots each row keeps."""
+    """One model's KV cache for a batch: append-only, with a mask of the slots each row keeps.
+
+    The model gets the masks whole, so a sliding-window model's window is applied here, from
+    each slot's position in its row: a model whose layers all slide gets the windowed mask, one
+    that mixes both kinds a mask per kind, as transformers' own mask mapping names them.
+    """
 
     def __init__(self, model: PreTrainedModel, batch: int) -> None:
         self.model = model
         self.cache = GrowingCache(model.config)
         self.keep = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)  # [B, slots]
+        self.position = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # [B, slots]
+        sliding = [layer.sliding_window for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
+        self.window = min(sliding) if sliding else None
+        self.mixed = bool(sliding) and len(sliding) < len(self.cache.layers)
 
     @property
     def slots(self) -> int:
@@ -51,13 +60,24 @@ class BatchCache:
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         new = (live[:, None, :] & causal) | torch.eye(length, dtype=torch.bool, device=ids.device)
         mask = torch.cat([self.keep[:, None, :].expand(batch, length, self.slots), new], dim=2)[:, None]
-        if self.model.config._attn_implementation == "eager":  # eager attention adds its mask
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=ids.device).masked_fill(
-                ~mask, torch.finfo(self.model.dtype).min)
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1 if last_only else 0)
+        if self.window is not None:  # each query sees the keys less than `window` positions back
+            seen = torch.cat([self.position, positions], dim=1)
+            windowed = mask & (positions[:, None, :, None] - seen[:, None, None, :] < self.window)
+            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed else windowed
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._for_attention(mask),
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         self.keep = torch.cat([self.keep, live], dim=1)
+        self.position = torch.cat([self.position, positions], dim=1)
         return out.logits
+
+    def _for_attention(self, mask):
+        """Eager attention adds its mask: -inf where a boolean mask is False."""
+        if isinstance(mask, dict):
+            return {kind: self._for_attention(m) for kind, m in mask.items()}
+        if self.model.config._attn_implementation != "eager":
+            return mask
+        return torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(self.model.dtype).min)
 
     def forget(self, row: int, start: int) -> None:
         """Row `row` rejected its slots from `start` on: holes from now on."""
@@ -71,12 +91,15 @@ class BatchCache:
             mine.append_rows(theirs)
         self.keep = torch.cat([torch.nn.functional.pad(keep, (0, slots - keep.shape[1]))
                                for keep in (self.keep, other.keep)])
+        self.position = torch.cat([torch.nn.functional.pad(position, (0, slots - position.shape[1]))
+                                   for position in (self.position, other.position)])
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch)."""
         index = torch.tensor(rows, device=self.keep.device)
         self.cache.batch_select_indices(index)
         self.keep = self.keep[index]
+        self.position = self.position[index]
 
 
 def _block(seqs: list[list[int]], device, right: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,13 +8,24 @@ the filled part, so a step copies only its own tokens. Cropping (rejected drafts
 length back; the next step overwrites the rejected entries. StaticCache avoids the copy too,
 but every step attends over its whole preallocated length, which costs more than it saves on
 the eager path (see runner.py).
+
+Sliding-window layers keep their whole history here, in both kinds of cache: transformers'
+own sliding layers keep only the last window, so a request longer than the window could not
+roll back its rejected drafts (DynamicSlidingWindowLayer.crop refuses; a static ring buffer
+would have overwritten what the rollback needs). The window is applied by the masks instead.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 MIN_CAPACITY = 256  # positions; doubled as needed
 
@@ -99,9 +110,52 @@ class GrowingLayer(DynamicLayer):
         self._set_length(length)
 
 
+class GrowingWindowLayer(GrowingLayer):
+    """A sliding-window attention layer's cache that keeps its whole history.
+
+    DynamicSlidingWindowLayer keeps only the last window of positions, so once a request is
+    longer than the window, rejected drafts cannot be rolled back (its `crop` refuses), and
+    its masks are sized for that window, not for a batch's slots. This layer keeps every
+    position, as a full-attention layer does, and reports itself sliding: the model builds
+    this layer's mask with the window (over absolute positions, `kv_offset` 0), and a batch's
+    own masks apply the window from each slot's position (see batch.BatchCache). The cost is
+    memory: the whole history rather than the window, like a full-attention layer.
+    """
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+
 class GrowingCache(DynamicCache):
-    """DynamicCache with GrowingLayer for its full-attention layers (sliding-window layers unchanged)."""
+    """DynamicCache with GrowingLayer for its full-attention layers and GrowingWindowLayer for its
+    sliding-window ones (any other kind of layer unchanged)."""
 
     def __init__(self, config) -> None:
         super().__init__(config=config)
-        self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.layers = [GrowingLayer() if type(layer) is DynamicLayer
+                       else GrowingWindowLayer(layer.sliding_window) if type(layer) is DynamicSlidingWindowLayer
+                       else layer for layer in self.layers]
+
+
+class StaticWindowLayer(StaticLayer):
+    """A static sliding-window layer as long as the cache (see GrowingWindowLayer): rolled back by
+    moving its write position, as a full-attention StaticLayer is; the model's mask applies the window."""
+
+    is_sliding = True
+
+    def __init__(self, max_cache_len: int, sliding_window: int) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        self.sliding_window = sliding_window
+
+
+def rollback_static_cache(config, max_cache_len: int) -> StaticCache:
+    """A StaticCache whose sliding-window layers are StaticWindowLayer."""
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    cache.layers = [StaticWindowLayer(max_cache_len, kwargs["sliding_window"])
+                    if type(layer) is StaticSlidingWindowLayer else layer
+                    for layer, kwargs in zip(cache.layers, per_layer, strict=True)]
+    return cache

@@ -41,7 +41,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from engine.kvcache import GrowingCache
+from engine.kvcache import GrowingCache, rollback_static_cache
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
@@ -104,7 +104,7 @@ class ModelRunner:
         if cache == "compiled":
             context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
             self.max_cache_len = min(max_cache_len or COMPILED_CACHE_LEN, context)
-            self._static = StaticCache(config=model.config, max_cache_len=self.max_cache_len)
+            self._static = rollback_static_cache(model.config, self.max_cache_len)
             use_compile_cache_dir()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             if model.device.type == "cuda":  # CUDA graphs
@@ -128,7 +128,7 @@ class ModelRunner:
             self._cache = self._static
             self.truncate(0)
         elif self.kind == "static":
-            self._cache = StaticCache(config=self.model.config, max_cache_len=max_length)
+            self._cache = rollback_static_cache(self.model.config, max_length)
         else:
             self._eager_request = True
             self._cache = GrowingCache(self.model.config)
