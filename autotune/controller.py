@@ -45,7 +45,7 @@ from engine import (
     Streamer,
 )
 from engine.streaming import EndsOnce, end_stream
-from policies import Context, Outcome, Policy, PolicyError, load_bucket, make_policy
+from policies import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 BASELINE_POLICY = "__off_baseline__"
 COSTS_POLICY = "__costs__"  # per load bucket: the measured draft and verify costs (CostModel)
@@ -402,10 +402,22 @@ class AutotuneController:
     def _decide(self, context: Context) -> tuple[Context, Arm]:
         with self._policy_lock:
             arm = self.policy.choose(context)
-            if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
-                arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
+            if self.policy.learns and (self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps
+                                       or self._off_decode_factor(load_bucket(context.load)) is None):
+                arm = OFF  # rewards are relative to OFF: measure what its rounds cost first (see _learn_segment)
         self._check_arm(arm)
         return context, arm
+
+    def _off_decode_factor(self, bucket: str) -> float | None:
+        """Engine seconds per verify second of OFF rounds in continuous batches at this load bucket,
+        else at the nearest bucket where OFF segments ran (rows drift between buckets during a
+        segment, so a decision's bucket may not be the one its segment is learned in); None
+        before any ran (called holding the policy lock)."""
+        here = LOAD_BUCKETS.index(bucket)
+        for other in sorted(LOAD_BUCKETS, key=lambda b: abs(LOAD_BUCKETS.index(b) - here)):
+            if other in self.costs and (factor := self.costs[other].off_decode_factor()) is not None:
+                return factor
+        return None
 
     @staticmethod
     def _segment(context: Context, session, decision_s: float) -> dict:
@@ -426,7 +438,8 @@ class AutotuneController:
         family where their batches measured 0.95-1.04x OFF's tokens/s. An OFF round costs the OFF
         step that the segment's own verifies imply (the machine's speed of the moment, see
         CostModel.off_step_during), times the engine seconds OFF rounds take per second of their
-        verify (measured on OFF segments at this load).
+        verify (measured on OFF segments at this load). Before any OFF segment ran, that ratio is
+        unknown and the segment teaches the policy nothing (a learning policy plays OFF first).
         """
         done = session.totals().minus(segment["totals"])
         if not done.rounds:
@@ -446,8 +459,10 @@ class AutotuneController:
                 base[1] = base[1] * self.baseline_discount + done.verify_s
                 costs.observe_off_decode(taken, done.verify_s)
             step = costs.off_step_during(done) or (base[1] / base[0] if base[0] > 0 else None)
-            factor = costs.off_decode_factor()
-            reward = gain * done.rounds * step * factor / taken if step and factor and taken > 0 else 1.0
+            factor = self._off_decode_factor(load_bucket(context.load))
+            if factor is None:
+                return
+            reward = gain * done.rounds * step * factor / taken if step and taken > 0 else 1.0
             siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
                                        functools.partial(costs.draft_cost, arm.drafter))
             self.policy.update(context, arm, Outcome(gain * rows / taken if taken > 0 else 0.0, reward,

@@ -2,7 +2,7 @@
 
 from engine import Arm
 from policies.bandits import BanditPolicy, ThompsonPolicy, UCBPolicy
-from policies.base import Context, Outcome, Policy, PolicyError, load_bucket
+from policies.base import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_bucket
 from policies.contextual import ContextualPolicy
 from policies.static import HeuristicPolicy, OffPolicy, StaticPolicy
 
@@ -24,6 +24,6 @@ def make_policy(name: str, arms: list[Arm], **kwargs) -> Policy:
 
 
 __all__ = [
-    "POLICIES", "BanditPolicy", "Context", "ContextualPolicy", "HeuristicPolicy", "OffPolicy", "Outcome",
-    "Policy", "PolicyError", "StaticPolicy", "ThompsonPolicy", "UCBPolicy", "load_bucket", "make_policy",
+    "LOAD_BUCKETS", "POLICIES", "BanditPolicy", "Context", "ContextualPolicy", "HeuristicPolicy", "OffPolicy",
+    "Outcome", "Policy", "PolicyError", "StaticPolicy", "ThompsonPolicy", "UCBPolicy", "load_bucket", "make_policy",
 ]

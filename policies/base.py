@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from engine import OFF, Arm, KSchedule
 
+LOAD_BUCKETS = ("1", "2-4", "5+")
+
 
 def load_bucket(load: int) -> str:
     """Buckets of rows decoded together: in a large batch the K extra verify tokens per row are no

@@ -370,6 +370,33 @@ def test_a_continuous_segment_scores_its_tokens_per_engine_second_against_off(en
     assert rewards == pytest.approx([1.0, 1.0])  # drafts, verifies and prefill alone: 1.18
 
 
+def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rounds(engine):
+    """What an OFF round costs in a continuous batch (its copies as rows join and leave) is
+    measured on OFF segments: a speculative segment before any taught nothing, and a learning
+    policy plays OFF until one ran at that load or a load next to it."""
+    from autotune.counterfactual import CostModel
+    from engine import GenerationMetrics
+
+    ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)], min_baseline_steps=0)
+    rewards = []
+    update = ctl.policy.update
+    ctl.policy.update = lambda context, arm, outcome: (rewards.append(outcome.reward), update(context, arm, outcome))
+    ctl.policy.choose = lambda context: Arm("small", 2)
+    start = {"context": Context("code", 10, {}), "decision_s": 0.0, "totals": GenerationMetrics(), "committed": 0,
+             "row_rounds": 0}
+    off = GenerationMetrics(rounds=100, verify_s=1.0, verify_by_width={1: [1.0, 100]}, total_s=1.25)
+    spec = GenerationMetrics(rounds=50, draft_s=0.2, draft_steps=100, draft_rounds=50, verify_s=0.55,
+                             verify_by_width={3: [0.55, 50]}, total_s=1.25)
+    ctl.costs.setdefault("5+", CostModel()).observe(OFF, off)  # an OFF step is known at this load, from a batch
+    ctl._learn_segment(start, SegmentOf(Arm("small", 2), spec, committed=1000, row_rounds=500))
+    assert rewards == [] and ctl._updates == 0
+    assert ctl._decide(Context("code", 10, {}))[1] == OFF
+    ctl._learn_segment(start, SegmentOf(OFF, off, committed=1000, row_rounds=1000))
+    ctl._learn_segment(start, SegmentOf(Arm("small", 2), spec, committed=1000, row_rounds=500))
+    assert rewards == pytest.approx([1.0, 1.0])
+    assert [str(ctl._decide(Context("code", load, {}))[1]) for load in (10, 3)] == ["small:2", "small:2"]
+
+
 def test_a_learning_policy_serves_off_until_the_baseline_has_enough_steps(engine):
     ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)], min_baseline_steps=20)
     arms = [str(ctl.generate(PROMPTS[i], request_class="code", max_new_tokens=8).arm) for i in range(4)]
