@@ -1,0 +1,95 @@
+"""The engine on other architectures than the Llama the rest of the suite uses: learned
+absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX), and
+sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with
+full layers, Gemma2 with logit softcapping).
+
+transformers' own sliding-window cache keeps only the last window, which a speculative decoder
+cannot roll back past; the engine keeps the history and applies the window in the masks. Every
+output must still be the target's own greedy output once requests are longer than the window.
+"""
+
+import pytest
+import torch
+import transformers
+from test_engine import hf_greedy
+
+from engine import BatchRequest, NGramDrafter, SpeculativeEngine
+
+WINDOW = 8
+COMMON = dict(vocab_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, initializer_range=0.3, **COMMON)
+PROMPTS = [list(range(3, 30)), list(range(10, 20)), [5, 6, 7] * 6]
+NEW = 40
+
+
+def mistral(layers: int, window: int | None = WINDOW):
+    return transformers.MistralConfig(num_hidden_layers=layers, sliding_window=window, **SHAPE)
+
+
+def mixed(kind, layers: list[str], **extra):
+    return kind(num_hidden_layers=len(layers), sliding_window=WINDOW, layer_types=layers, **extra, **SHAPE)
+
+
+CONFIGS = {  # name: (target config, drafter config)
+    "mistral": lambda: (mistral(2), mistral(1)),
+    "starcoder2": lambda: (transformers.Starcoder2Config(num_hidden_layers=2, sliding_window=WINDOW, **SHAPE),
+                           transformers.Starcoder2Config(num_hidden_layers=1, sliding_window=WINDOW, **SHAPE)),
+    "qwen2-mixed": lambda: (mixed(transformers.Qwen2Config, ["sliding_attention", "full_attention"],
+                                  use_sliding_window=True),
+                            mixed(transformers.Qwen2Config, ["sliding_attention"], use_sliding_window=True)),
+    "gemma2-mixed": lambda: (mixed(transformers.Gemma2Config, ["sliding_attention", "full_attention"], head_dim=16),
+                             mixed(transformers.Gemma2Config, ["full_attention"], head_dim=16)),
+    "gpt2": lambda: tuple(transformers.GPT2Config(n_embd=64, n_layer=n, n_head=4, n_positions=256,
+                                                  initializer_range=0.3, **COMMON) for n in (2, 1)),
+    "opt": lambda: tuple(transformers.OPTConfig(hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
+                                                ffn_dim=128, max_position_embeddings=256, word_embed_proj_dim=64,
+                                                init_std=0.3, **COMMON) for n in (2, 1)),
+    "gpt_neox": lambda: tuple(transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
+                                                         intermediate_size=128, max_position_embeddings=256,
+                                                         initializer_range=0.3, **COMMON) for n in (2, 1)),
+}
+
+
+def build(config, seed: int):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def models(request):
+    target_config, drafter_config = CONFIGS[request.param]()
+    target = build(target_config, 0)
+    return target, build(drafter_config, 1), [hf_greedy(target, p, NEW) for p in PROMPTS]
+
+
+def test_the_window_shapes_these_outputs():
+    """Without it the same weights decode otherwise: the tests below would catch a lost window."""
+    windowed, full = build(mistral(2), 0), build(mistral(2, None), 0)
+    assert [hf_greedy(windowed, p, NEW) for p in PROMPTS] != [hf_greedy(full, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_one_request_at_a_time_is_lossless(models, static_cache):
+    target, drafter, expected = models
+    engine = SpeculativeEngine(target, {"small": drafter, "ngram": NGramDrafter()}, static_cache=static_cache)
+    for arm in ("off", "small:3", "ngram:4"):
+        results = [engine.generate(p, arm, max_new_tokens=NEW) for p in PROMPTS]
+        assert [r.tokens for r in results] == expected, arm
+        assert not any(r.fell_back for r in results), arm  # speculation served them, not the fallback
+
+
+def test_a_batch_and_a_request_joining_it_are_lossless(models):
+    target, drafter, expected = models
+    engine = SpeculativeEngine(target, {"small": drafter, "ngram": NGramDrafter()})
+    for arm in ("off", "small:3", "ngram:4"):
+        calls = []
+
+        def admit(live_rows, calls=calls):
+            calls.append(live_rows)
+            return [BatchRequest(PROMPTS[2], NEW)] if len(calls) == 5 else []  # joins after 4 rounds
+
+        batch = engine.generate_batch(PROMPTS[:2], arm, max_new_tokens=NEW, admit=admit)
+        assert calls[4] == 2  # it joined two rows still decoding
+        assert [r.tokens for r in batch] == expected, arm
+        assert not any(r.fell_back for r in batch), arm
