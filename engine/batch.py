@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
+from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.streaming import Streamer, put_prompt, put_tokens
@@ -36,19 +38,28 @@ from engine.streaming import Streamer, put_prompt, put_tokens
 class BatchCache:
     """One model's KV cache for a batch: append-only, with a mask of the slots each row keeps.
 
-    The model gets the masks whole, so a sliding-window model's window is applied here, from
-    each slot's position in its row: a model whose layers all slide gets the windowed mask, one
-    that mixes both kinds a mask per kind, as transformers' own mask mapping names them.
+    The model gets its masks whole, so what a layer kind sees is applied here, from each slot's
+    position in its row: a sliding-window layer the keys less than its window back, a chunked
+    layer (Llama 4) the keys in its query's chunk. A model with one kind of layer gets one
+    mask; one that mixes kinds gets a mask per kind, keyed as transformers' mask mappings are.
     """
+
+    SEES = {  # layer kind -> which past positions a query at `q` sees, `span` its window or chunk
+        "full_attention": None,
+        "sliding_attention": lambda q, k, span: q - k < span,
+        "chunked_attention": lambda q, k, span: q // span == k // span,
+    }
 
     def __init__(self, model: PreTrainedModel, batch: int) -> None:
         self.model = model
         self.cache = GrowingCache(model.config)
         self.keep = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)  # [B, slots]
         self.position = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # [B, slots]
-        sliding = [layer.sliding_window for layer in self.cache.layers if getattr(layer, "is_sliding", False)]
-        self.window = min(sliding) if sliding else None
-        self.mixed = bool(sliding) and len(sliding) < len(self.cache.layers)
+        kinds, per_layer = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+        self.spans = {kind: kwargs.get("sliding_window") for kind, kwargs in zip(kinds, per_layer)}  # kind -> span
+        if unknown := set(self.spans) - set(self.SEES):
+            raise InvalidRequestError(f"{type(model).__name__} has {', '.join(sorted(unknown))} layers, which cannot"
+                                      " run batched (batches take full, sliding-window and chunked attention)")
 
     @property
     def slots(self) -> int:
@@ -60,10 +71,12 @@ class BatchCache:
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         new = (live[:, None, :] & causal) | torch.eye(length, dtype=torch.bool, device=ids.device)
         mask = torch.cat([self.keep[:, None, :].expand(batch, length, self.slots), new], dim=2)[:, None]
-        if self.window is not None:  # each query sees the keys less than `window` positions back
-            seen = torch.cat([self.position, positions], dim=1)
-            windowed = mask & (positions[:, None, :, None] - seen[:, None, None, :] < self.window)
-            mask = {"full_attention": mask, "sliding_attention": windowed} if self.mixed else windowed
+        if set(self.spans) != {"full_attention"}:
+            query = positions[:, None, :, None]
+            key = torch.cat([self.position, positions], dim=1)[:, None, None, :]
+            masks = {kind: mask if self.SEES[kind] is None else mask & self.SEES[kind](query, key, span)
+                     for kind, span in self.spans.items()}
+            mask = masks if len(masks) > 1 else masks.popitem()[1]
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._for_attention(mask),
                          past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         self.keep = torch.cat([self.keep, live], dim=1)

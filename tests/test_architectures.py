@@ -1,19 +1,21 @@
 """The engine on other architectures than the Llama the rest of the suite uses: learned
-absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX), and
+absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX),
 sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with
-full layers, Gemma2 with logit softcapping).
+full layers, Gemma2 with logit softcapping) and chunked attention mixed with full (Llama 4).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
-cannot roll back past; the engine keeps the history and applies the window in the masks. Every
-output must still be the target's own greedy output once requests are longer than the window.
+cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
+masks. Every output must still be the target's own greedy output once requests are longer
+than the window.
 """
 
 import pytest
 import torch
 import transformers
+from conftest import tiny_llama
 from test_engine import hf_greedy
 
-from engine import BatchRequest, NGramDrafter, SpeculativeEngine
+from engine import BatchRequest, InvalidRequestError, NGramDrafter, SpeculativeEngine
 
 WINDOW = 8
 COMMON = dict(vocab_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -40,6 +42,9 @@ CONFIGS = {  # name: (target config, drafter config)
                             mixed(transformers.Qwen2Config, ["sliding_attention"], use_sliding_window=True)),
     "gemma2-mixed": lambda: (mixed(transformers.Gemma2Config, ["sliding_attention", "full_attention"], head_dim=16),
                              mixed(transformers.Gemma2Config, ["full_attention"], head_dim=16)),
+    "llama4-chunked": lambda: tuple(  # 4 layers: 3 chunked, 1 full
+        transformers.Llama4TextConfig(num_hidden_layers=n, head_dim=16, attention_chunk_size=WINDOW,
+                                      num_local_experts=2, intermediate_size_mlp=128, **SHAPE) for n in (4, 1)),
     "gpt2": lambda: tuple(transformers.GPT2Config(n_embd=64, n_layer=n, n_head=4, n_positions=256,
                                                   initializer_range=0.3, **COMMON) for n in (2, 1)),
     "opt": lambda: tuple(transformers.OPTConfig(hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
@@ -93,3 +98,10 @@ def test_a_batch_and_a_request_joining_it_are_lossless(models):
         assert calls[4] == 2  # it joined two rows still decoding
         assert [r.tokens for r in batch] == expected, arm
         assert not any(r.fell_back for r in batch), arm
+
+
+def test_a_batch_of_a_model_with_layers_it_cannot_mask_is_refused_by_name():
+    target = tiny_llama(0)
+    target.config.layer_types = ["full_attention", "linear_attention"]  # as a hybrid linear-attention model has
+    with pytest.raises(InvalidRequestError, match="linear_attention layers, which cannot run batched"):
+        SpeculativeEngine(target).generate_batch(PROMPTS[:2], "off", max_new_tokens=4)
