@@ -13,6 +13,8 @@ Sliding-window layers keep their whole history here, in both kinds of cache: tra
 own sliding layers keep only the last window, so a request longer than the window could not
 roll back its rejected drafts (DynamicSlidingWindowLayer.crop refuses; a static ring buffer
 would have overwritten what the rollback needs). The window is applied by the masks instead.
+Chunked-attention layers (Llama 4) are cached by the same classes, their chunk standing for
+the window; only their masks differ.
 """
 
 from __future__ import annotations
