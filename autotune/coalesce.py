@@ -71,6 +71,11 @@ class Batch:
             self._tickets += taken
         return [t.item for t in taken]
 
+    def waiting(self) -> list:
+        """The requests of the batch's group waiting now, oldest first (they go on waiting)."""
+        with self._coalescer._cv:
+            return [t.item for t in self._coalescer._queue if t.group == self.group]
+
     def deliver(self, index: int, outcome: Any) -> None:
         """Hand item `index`'s caller its outcome (a result, or an exception to raise) now."""
         with self._coalescer._cv:

@@ -13,7 +13,9 @@ still sees itself, so no query row is fully masked). Positions are per row, so a
 exactly as it would alone: greedy output equals the target's own greedy output, and a
 sampled row draws from its own generator in the same order as `SpeculativeEngine.generate`.
 Finished rows leave the batch, and new requests can join it between rounds (`BatchRun.admit`:
-continuous batching, as vLLM and SGLang schedule every step). Eager only
+continuous batching, as vLLM and SGLang schedule every step), and so can a request paused on
+the one-request path (`SpeculativeEngine.generate`'s `pause`): its prompt and output so far are
+prefilled, and it goes on drawing where it stopped. Eager only
 (kvcache.GrowingCache); model, n-gram and hybrid drafters (the engine refuses others): in a
 hybrid round, rows whose context repeats take lookup drafts and the others share the model's
 batched steps.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -33,6 +36,9 @@ from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
+
+if TYPE_CHECKING:
+    from engine.engine import GenerationResult
 from engine.streaming import Streamer, put_prompt, put_tokens
 
 
@@ -56,10 +62,8 @@ class BatchCache:
         self.cache = GrowingCache(model.config)
         self.keep = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)  # [B, slots]
         self.position = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # [B, slots]
+        check_batchable(model)
         self.spans = _layer_spans(model)
-        if unknown := set(self.spans) - set(self.SEES):
-            raise InvalidRequestError(f"{type(model).__name__} has {', '.join(sorted(unknown))} layers, which cannot"
-                                      " run batched (batches take full, sliding-window and chunked attention)")
 
     @property
     def slots(self) -> int:
@@ -118,6 +122,13 @@ class BatchCache:
 _SPANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def check_batchable(model: PreTrainedModel) -> None:
+    """Refuse, naming them, a model with layers a batch cannot mask (linear attention...)."""
+    if unknown := set(_layer_spans(model)) - set(BatchCache.SEES):
+        raise InvalidRequestError(f"{type(model).__name__} has {', '.join(sorted(unknown))} layers, which cannot"
+                                  " run batched (batches take full, sliding-window and chunked attention)")
+
+
 def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:
     """{layer kind: its window or chunk} of a model, worked out once (0.23 ms, and a batch
     makes a cache for every join)."""
@@ -161,6 +172,7 @@ class Row:
     generator: torch.Generator | None
     streamer: Streamer | None = None
     stream_error: str | None = None  # its streamer raised: the row leaves the batch
+    resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
     seen: int = 0  # tokens the drafter's cache holds for this row
     done: bool = False
     joined_s: float = 0.0  # engine seconds into the batch's run when the row joined it
@@ -269,10 +281,13 @@ class BatchRun:
         began = self.clock()
         joined_at = began - self.started - self.batch.stream_s
         cache = BatchCache(self.target, len(rows))
-        ids, live = _block([r.tokens for r in rows], self.target.device, right=True)
+        # A paused request's last token is the one its next round feeds (the cache holds all
+        # but the last token), so it resumes drawing exactly where it stopped.
+        ids, live = _block([r.tokens[:-1] if r.resumes else r.tokens for r in rows], self.target.device, right=True)
         logits = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
         for b, r in enumerate(rows):
-            r.tokens.append(_pick(logits[b], r.sampling, r.generator))
+            if r.resumes is None:
+                r.tokens.append(_pick(logits[b], r.sampling, r.generator))
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
@@ -412,7 +427,7 @@ def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> 
     began = time.perf_counter()
     for r, start in zip(rows, starts):
         if r.streamer is not None:
-            first = put_prompt(r.streamer, r.tokens[:start]) if prompt else None
+            first = put_prompt(r.streamer, r.tokens[:start]) if prompt and r.resumes is None else None
             r.stream_error = first or put_tokens(r.streamer, r.tokens[start:])
             r.done = r.done or r.stream_error is not None
     spent = time.perf_counter() - began

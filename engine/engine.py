@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.arms import MAX_K, OFF, Arm
-from engine.batch import BatchRun, Row
+from engine.batch import BatchRun, Row, check_batchable
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.runner import ModelRunner
@@ -68,6 +68,23 @@ class GenerationMetrics:
             setattr(out, name, value)
         return out
 
+    def plus(self, later: GenerationMetrics) -> GenerationMetrics:
+        """This run and a `later` one of the same request added up (a request paused on one path
+        and finished on another); prompt_tokens and new_tokens are left for the caller to set."""
+        out = copy.deepcopy(self)
+        for name, value in vars(later).items():
+            mine = getattr(out, name)
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    mine[k] = [a + b for a, b in zip(mine.get(k, [0] * len(v)), v)]
+            elif isinstance(value, list):
+                mine += [0] * (len(value) - len(mine))
+                for i, a in enumerate(value):
+                    mine[i] += a
+            else:
+                setattr(out, name, mine + value)
+        return out
+
     def trim_positions(self) -> None:
         """Drop the per-position counts beyond the last position ever drafted."""
         used = max((i + 1 for i, d in enumerate(self.drafted_per_position) if d), default=0)
@@ -105,12 +122,17 @@ class GenerationMetrics:
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """A request joining a running batch (`generate_batch`'s `admit`)."""
+    """A request joining a running batch (`generate_batch`'s `admit`), or the rest of a request
+    `generate` paused (its `rest`): that one carries the output so far (`resumes`: the result
+    of the paused part, whose tokens end `prompt`, added to the batch's result), and its random
+    stream, so its draws go on where they stopped."""
 
     prompt: str | list[int] | torch.Tensor
     max_new_tokens: int = 64
     sampling: SamplingParams | None = None
     streamer: Streamer | None = None
+    resumes: GenerationResult | None = None
+    generator: torch.Generator | None = None
 
 
 @dataclass
@@ -139,6 +161,7 @@ class GenerationResult:
     fell_back: bool = False  # speculation failed mid-request and OFF finished it
     fallback_error: str | None = None
     stream_error: str | None = None  # the request's streamer raised: the output stops there
+    rest: BatchRequest | None = None  # paused (`generate`'s `pause`): what finishes it in a batch
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
@@ -303,6 +326,16 @@ class SpeculativeEngine:
             )
         return drafter
 
+    def check_batch_request(self, prompt_len: int, arm: Arm, max_new_tokens: int) -> Drafter | None:
+        """`check_request` for a request served in a batch: also refuses a target or a drafter
+        that cannot decode batched."""
+        check_batchable(self.target)
+        drafter = self.check_request(prompt_len, arm, max_new_tokens)
+        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
+            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
+                                      " batches take model, n-gram and hybrid drafters")
+        return drafter
+
     def _sync(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -317,11 +350,17 @@ class SpeculativeEngine:
         sampling: SamplingParams | None = None,
         schedule: KSchedule | None = None,
         streamer: Streamer | None = None,
+        pause: Callable[[], bool] | None = None,
     ) -> GenerationResult:
         """Decode one request on `arm`; the output is the target's own, whatever the arm.
 
         `streamer` (transformers' `TextStreamer`, `TextIteratorStreamer`, ...) gets the output as
-        each round commits it (engine/streaming.py).
+        each round commits it (engine/streaming.py). `pause`, asked before every round, stops
+        decoding when it returns True, so that a server can move the request into a batch with
+        requests that arrived meanwhile (nothing can join the one-request path): the result then
+        holds the output so far and `rest`, which `BatchSession.add` finishes as a batch row
+        (re-prefilling prompt and output, as vLLM's recompute preemption does); its streamer is
+        not ended.
         """
         arm = Arm.parse(arm) if isinstance(arm, str) else arm
         sampling = sampling or SamplingParams()
@@ -329,16 +368,18 @@ class SpeculativeEngine:
         ids = self.encode(prompt)
         drafter = self.check_request(ids.numel(), arm, max_new_tokens)
         try:
-            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer)
+            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, pause)
         except BaseException:
             end_stream(streamer)  # the decoding error is the one to raise
             raise
-        ended = end_stream(streamer)
-        result.stream_error = result.stream_error or ended
+        if result.rest is None:
+            ended = end_stream(streamer)
+            result.stream_error = result.stream_error or ended
         return result
 
     def _decode(self, ids: torch.Tensor, arm: Arm, drafter: Drafter | None, max_new_tokens: int,
-                sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None) -> GenerationResult:
+                sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None,
+                pause: Callable[[], bool] | None) -> GenerationResult:
         generator = self._generator(sampling)
 
         m = GenerationMetrics(prompt_tokens=ids.numel())
@@ -364,8 +405,12 @@ class SpeculativeEngine:
 
         k = arm.k
         done = tokens[-1] in self.eos_token_id or result.stream_error is not None
+        paused = False
         while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
+            if pause is not None and pause():
+                paused = True
+                break
             draft, q = [], None
             if drafter is not None and remaining > 1:
                 try:
@@ -420,6 +465,8 @@ class SpeculativeEngine:
         m.total_s = self._sync() - start - m.stream_s
         if self.tokenizer is not None:
             result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        if paused:
+            result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator)
         return result
 
     @torch.inference_mode()
@@ -480,8 +527,9 @@ class SpeculativeEngine:
         ids = self.encode(request.prompt)
         self.check_request(ids.numel(), arm, request.max_new_tokens)
         sampling = request.sampling or SamplingParams()
-        return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, self._generator(sampling),
-                   request.streamer)
+        generator = request.generator if request.generator is not None else self._generator(sampling)
+        return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator, request.streamer,
+                   resumes=request.resumes)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:
@@ -528,11 +576,7 @@ class BatchSession:
                              engine._sync)
 
     def _drafter(self, arm: Arm) -> Drafter | None:
-        drafter = self.engine.check_request(1, arm, 1)  # the drafter exists
-        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
-            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
-                                      " batches take model, n-gram and hybrid drafters")
-        return drafter
+        return self.engine.check_batch_request(1, arm, 1)  # the model and the drafter can run batched
 
     @property
     def live_rows(self) -> int:
@@ -605,9 +649,17 @@ class BatchSession:
             m.trim_positions()
             tokens = row.tokens[row.prompt_len:]
             m.new_tokens = len(tokens)
+            fell_back, error = self._run.fell_back, self._run.error
+            if row.resumes is not None:  # a paused request: its output and metrics so far come first
+                head = row.resumes
+                tokens = head.tokens + tokens
+                m = head.metrics.plus(m)
+                m.prompt_tokens, m.new_tokens = head.metrics.prompt_tokens, len(tokens)
+                m.trim_positions()
+                fell_back, error = fell_back or head.fell_back, error or head.fallback_error
             tokenizer = self.engine.tokenizer
             text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
-            result = GenerationResult(tokens, self.arm, m, text, self._run.fell_back, self._run.error)
+            result = GenerationResult(tokens, self.arm, m, text, fell_back, error)
             ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
             result.stream_error = row.stream_error or ended
             self.results[i] = result

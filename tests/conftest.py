@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
 
 def tiny_llama(seed: int, layers: int = 2, vocab: int = 64, hidden: int = 64, context: int = 256):
@@ -14,6 +14,21 @@ def tiny_llama(seed: int, layers: int = 2, vocab: int = 64, hidden: int = 64, co
         bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def tiny_qwen3_next(seed: int, layers: int = 2, vocab: int = 64):
+    """A hybrid model: gated linear-attention layers (a recurrent state, no KV cache) between
+    full-attention ones, as Qwen3-Next and Qwen3.5 are."""
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=(["linear_attention", "full_attention"] * layers)[:layers], max_position_embeddings=256,
+        initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    return Qwen3NextForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="session")

@@ -94,6 +94,51 @@ def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm):
     assert out.metrics.prompt_tokens == sum(r.metrics.prompt_tokens for r in out)
 
 
+class Recorder:
+    """A streamer that keeps what it was handed."""
+
+    def __init__(self) -> None:
+        self.puts, self.ends = [], 0
+
+    def put(self, value) -> None:
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        self.ends += 1
+
+
+@pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
+def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
+    """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
+    another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
+    its random stream goes on), the stream (the prompt once, every token once, ended once) and
+    the counts over both parts are the request's own; the batch's metrics count its own work."""
+    prompt, other = prompts(2, seed=31)
+    for sampling in (SamplingParams(), SamplingParams(1.0, top_p=0.9, seed=7)):
+        alone = engine.generate(prompt, arm, 24, sampling)
+        asked, streamer = [0], Recorder()
+
+        def pause(asked=asked) -> bool:
+            asked[0] += 1
+            return asked[0] > 3
+
+        head = engine.generate(prompt, arm, 24, sampling, streamer=streamer, pause=pause)
+        assert head.rest is not None and 3 <= len(head.tokens) < 24 and streamer.ends == 0
+        assert head.tokens == alone.tokens[:len(head.tokens)]
+        session = engine.open_batch(arm)
+        session.add([BatchRequest(other, 10, SamplingParams(seed=1)), head.rest])
+        while session.live_rows:
+            session.step()
+        out = session.close()
+        assert out[1].tokens == alone.tokens, (arm, sampling)
+        assert streamer.puts[0] == prompt and sum(streamer.puts[1:], []) == alone.tokens and streamer.ends == 1
+        m = out[1].metrics
+        assert (m.prompt_tokens, m.new_tokens) == (len(prompt), 24)
+        assert m.rounds > head.metrics.rounds and m.total_s > head.metrics.total_s
+        assert m.drafted == head.metrics.drafted + out.metrics.drafted - out[0].metrics.drafted
+        assert out.metrics.new_tokens == 10 + 24 - len(head.tokens)
+
+
 def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target):
     """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, n-gram,
     hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row)."""

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from conftest import tiny_qwen3_next
 
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch
@@ -194,18 +195,19 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
 
 
 class FirstRound:
-    """A streamer that tells when its request's first output round has been decoded."""
+    """A streamer that tells when its request's first output round has been decoded, and keeps
+    what it was handed."""
 
     def __init__(self, event: threading.Event) -> None:
-        self.event, self.puts = event, 0
+        self.event, self.puts, self.ends = event, [], 0
 
     def put(self, value) -> None:
-        self.puts += 1
-        if self.puts == 2:  # the prompt, then the first round
+        self.puts.append(value.reshape(-1).tolist())
+        if len(self.puts) == 2:  # the prompt, then the first round
             self.event.set()
 
     def end(self) -> None:
-        pass
+        self.ends += 1
 
 
 @pytest.mark.parametrize("continuous", [True, False])
@@ -253,6 +255,46 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
         assert joined == continuous
         assert store.count() == 6
         assert ctl._updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
+
+
+@pytest.mark.parametrize("batches", [True, False])
+def test_a_request_decoding_alone_pauses_for_one_that_arrives_and_both_finish_in_a_batch(
+        engine, target, tmp_path, batches):
+    """Nothing joins the one-request path, so a request decoding alone pauses when another
+    arrives and finishes in a continuous batch with it: its output, stream and record are the
+    request's own, once, and the part served alone teaches the policy nothing (its drafter's
+    prefill over part of an output would score model drafters low). An engine that cannot
+    batch (a hybrid model's linear-attention layers) serves them one after the other instead."""
+    arms = [OFF, Arm("small", 2)]
+    if not batches:
+        target, arms = tiny_qwen3_next(0), [OFF]
+        engine = SpeculativeEngine(target)
+    with Store(f"sqlite:///{tmp_path / 'p.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=arms, max_batch=4)
+        learned = []
+        update = ctl.policy.update
+        ctl.policy.update = lambda context, arm, outcome: (learned.append(context.key), update(context, arm, outcome))
+        decoding, results = threading.Event(), {}
+        streamer = FirstRound(decoding)
+        alone = threading.Thread(target=lambda: results.setdefault(0, ctl.generate(
+            PROMPTS[0], "code", max_new_tokens=200, streamer=streamer)))
+        alone.start()
+        decoding.wait(10)
+        results[1] = ctl.generate(PROMPTS[1], "chat", max_new_tokens=20, temperature=1.0, seed=3)
+        alone.join()
+        ctl.close()
+        assert store.count() == 2
+    first, second = results[0], results[1]
+    assert first.tokens == hf_greedy(target, PROMPTS[0], 200)
+    assert second.tokens == engine.generate(PROMPTS[1], second.arm, 20, SamplingParams(1.0, seed=3)).tokens
+    assert streamer.puts[0] == PROMPTS[0] and sum(streamer.puts[1:], []) == first.tokens and streamer.ends == 1
+    assert (first.metrics.prompt_tokens, first.metrics.new_tokens) == (len(PROMPTS[0]), 200)
+    if batches:
+        assert second.load == 2 and second.queue_s < first.metrics.total_s / 10  # it joined while the first decoded
+        assert learned[0] == "(mixed)@load2-4"  # the batch's first segment, not the first request's part alone
+    else:
+        assert first.load == second.load == 1 and second.queue_s > first.metrics.total_s / 2  # it waited
+        assert set(learned) == {"code@load1", "chat@load1"}
 
 
 def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, target):

@@ -238,7 +238,7 @@ def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(sm
                                rounds=1, progress=lambda _: None)
     assert result["identical_greedy_outputs"] is True
     configs = result["configs"]
-    assert set(configs) == {"ucb/batch1", "ucb/batch6-static", "ucb/batch6-continuous"}
+    assert set(configs) == {"ucb/batch1", "ucb/batch6-static", "ucb/batch6-continuous", "ucb/batch6-continuous-nopause"}
     assert configs["ucb/batch1"]["mean_load"] == 1
     assert configs["ucb/batch6-static"]["mean_load"] > 1 and configs["ucb/batch6-continuous"]["mean_load"] > 1
     assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in configs.values())  # streamed before done

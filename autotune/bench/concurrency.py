@@ -37,7 +37,8 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     every class waiting: static (`static`: continuous=False, a request arriving while a batch
     decodes waits for it to end) or continuous (`continuous`, the controller's default: it joins
     the batch at the next round, every request returns when it is done, and the policy decides
-    again every `decide_every` rounds).
+    again every `decide_every` rounds; a request decoding alone pauses when another arrives and
+    finishes in a batch with it, which `continuous-nopause` turns off).
 
     Client c sends requests of class c mod len(classes). Every configuration (policy x batching)
     serves the same requests, configurations taking turns round by round; each keeps its
@@ -57,9 +58,10 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     controllers = {}
     for p in policies:
         controllers[f"{p}/batch1"] = AutotuneController(engine, policy=p, arms=arms)
-        for how, continuous in (("static", False), ("continuous", True)):
+        for how, continuous, pause in (("static", False, False), ("continuous", True, True),
+                                       ("continuous-nopause", True, False)):
             controllers[f"{p}/batch{max_batch}-{how}"] = AutotuneController(
-                engine, policy=p, arms=arms, max_batch=max_batch, continuous=continuous)
+                engine, policy=p, arms=arms, max_batch=max_batch, continuous=continuous, pause_alone=pause)
     stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # (tokens, latency, ttft, queue, load)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     for r in range(rounds):
@@ -106,4 +108,6 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                                            for p in policies for how in ("static", "continuous")},
             "continuous_vs_static": {p: ratio(f"{p}/batch{max_batch}-continuous", f"{p}/batch{max_batch}-static")
                                      for p in policies},
+            "pause_vs_nopause": {p: ratio(f"{p}/batch{max_batch}-continuous",
+                                          f"{p}/batch{max_batch}-continuous-nopause") for p in policies},
             "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}
