@@ -328,8 +328,8 @@ class AutotuneController:
                 results = [self.engine.generate(ids[0], arm, limits[0], sampling[0], schedule, streamers[0], pause)]
                 served = results[0].metrics
             else:
-                batch = self.engine.generate_batch(ids, arm, limits, sampling, streamers)
-                results, served = batch.results, batch.metrics
+                together = self.engine.generate_batch(ids, arm, limits, sampling, streamers)
+                results, served = together.results, together.metrics
         goodput = served.tokens_per_s
         with self._policy_lock:
             costs = self.costs.setdefault(load_bucket(context.load), CostModel())

@@ -89,6 +89,8 @@ class ModelDrafter:
         if valid_length < self._seen:
             self.runner.truncate(valid_length)
             self._seen = valid_length
+        elif self.runner.recurrent:  # every token fed stays: its states need no checkpoint any more
+            self.runner.truncate(self._seen)
 
 
 class NGramDrafter:

@@ -21,6 +21,7 @@ from engine.arms import MAX_K, OFF, Arm
 from engine.batch import BatchRun, Row, check_batchable
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
+from engine.kvcache import recurrent_kinds
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.schedule import ConstantK, KSchedule
@@ -185,10 +186,6 @@ class SpeculativeEngine:
         compiled_cache_len: int | None = None,
     ) -> None:
         self.device = torch.device(device)
-        if compile is None:
-            compile = self.device.type == "cuda"  # on CPU each graph takes ~3-13 s to compile here: opt in
-        self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
-        self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         if dtype is None:
             # float32 everywhere by default: in bfloat16 a (K+1)-token verify and a 1-token step
             # round differently, so at near-ties the greedy output can change (measured on an H100).
@@ -198,6 +195,10 @@ class SpeculativeEngine:
             tokenizer = AutoTokenizer.from_pretrained(target)
         self.tokenizer = tokenizer
         self.target = _load(target, self.device, dtype)
+        if compile is None:  # on CPU each graph takes ~3-13 s to compile here: opt in
+            compile = self.device.type == "cuda" and not recurrent_kinds(self.target.config)  # see kvcache
+        self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
+        self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         self.runner = ModelRunner(self.target, self.cache_kind, compiled_cache_len)
         self.vocab_size = self.target.config.vocab_size
         self.max_length = getattr(self.target.config, "max_position_embeddings", None)

@@ -15,6 +15,13 @@ roll back its rejected drafts (DynamicSlidingWindowLayer.crop refuses; a static 
 would have overwritten what the rollback needs). The window is applied by the masks instead.
 Chunked-attention layers (Llama 4) are cached by the same classes, their chunk standing for
 the window; only their masks differ.
+
+Hybrid models (Qwen3-Next, Qwen3.5) put linear-attention layers between attention layers. Such
+a layer holds one recurrent state, not an entry per position, so no crop can take rejected
+drafts back out of it (transformers' `crop` refuses). `StateCheckpoint` keeps those states as
+they were before a round's first step; a rollback restores them, crops the attention layers,
+and feeds the kept tokens again (one more forward in a round that rejected drafts). Static and
+compiled caches do not take these layers (`recurrent_kinds` tells which a model has).
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
     StaticLayer,
     StaticSlidingWindowLayer,
     get_layer_types_and_kwargs,
@@ -163,3 +172,37 @@ def rollback_static_cache(config, max_cache_len: int) -> StaticCache:
                     if type(layer) is StaticSlidingWindowLayer else layer
                     for layer, kwargs in zip(cache.layers, per_layer, strict=True)]
     return cache
+
+
+def recurrent_kinds(config) -> set[str]:
+    """The kinds of layer of a model that hold a recurrent state instead of one cache entry per
+    position (linear attention, short convolutions), as transformers' caches classify them."""
+    kinds, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return {kind for kind in kinds
+            if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)}
+
+
+class StateCheckpoint:
+    """The recurrent states of a cache's linear-attention layers at one length, to roll back to."""
+
+    def __init__(self, cache: DynamicCache, length: int) -> None:
+        self.cache, self.length = cache, length
+        self.states = [(layer, {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+                        {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None})
+                       for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    def restore(self) -> None:
+        """Put the states back as they were, and crop the attention layers back to `length`."""
+        for layer, conv, recurrent in self.states:
+            for i, state in conv.items():
+                layer.conv_states[i].copy_(state)
+            for i, state in recurrent.items():
+                layer.recurrent_states[i].copy_(state)
+        extra = self.cache.get_seq_length() - self.length
+        for layer in self.cache.layers:
+            if extra <= 0:
+                break
+            if not isinstance(layer, LinearAttentionCacheLayerMixin):
+                layer.crop(-extra)
+            elif isinstance(layer, DynamicLayer):  # a layer with both: its attention part
+                DynamicLayer.crop(layer, -extra)

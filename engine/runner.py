@@ -41,7 +41,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from engine.kvcache import GrowingCache, rollback_static_cache
+from engine.kvcache import GrowingCache, StateCheckpoint, recurrent_kinds, rollback_static_cache
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
@@ -100,6 +100,14 @@ class ModelRunner:
         self.kind = cache
         self.compile_s: dict[str, float] = {}  # "T->keep" -> seconds its first (compiling) call took
         self._cache: GrowingCache | StaticCache | None = None
+        # Linear-attention layers (hybrid models) roll back from a checkpoint (kvcache.StateCheckpoint):
+        # the one taken before the first step since the last truncate, and the tokens fed since.
+        self.recurrent = bool(recurrent_kinds(model.config))
+        if self.recurrent and cache != "dynamic":
+            raise ValueError(f"{type(model).__name__} has {', '.join(sorted(recurrent_kinds(model.config)))} layers,"
+                             f" which a {cache} cache cannot roll back: use the dynamic cache")
+        self._checkpoint: StateCheckpoint | None = None
+        self._fed: list[torch.Tensor] = []
         self._eager_request = cache != "compiled"  # a compiled runner serves too-long requests eagerly
         if cache == "compiled":
             context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
@@ -132,6 +140,7 @@ class ModelRunner:
         else:
             self._eager_request = True
             self._cache = GrowingCache(self.model.config)
+            self._checkpoint, self._fed = None, []
         out = self.model(prompt[None], past_key_values=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0]
 
@@ -140,6 +149,10 @@ class ModelRunner:
         # Explicit positions, as generate() passes them; a tensor, so compiled graphs do not
         # specialize on the position.
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if self.recurrent:
+            if self._checkpoint is None:
+                self._checkpoint = StateCheckpoint(self._cache, start)
+            self._fed.append(tokens)
         if self._eager_request:
             return self._eager_step(tokens, positions, keep)
         shape = f"{tokens.shape[1]}->{keep}"  # tokens in -> logits out: one graph each
@@ -166,7 +179,11 @@ class ModelRunner:
                           cache_position=positions, position_ids=positions[None]).logits[0]
 
     def truncate(self, length: int) -> None:
-        """Forget cached positions beyond `length` (rejected drafts); the prefix is never recomputed."""
+        """Forget cached positions beyond `length` (rejected drafts); the prefix is never recomputed
+        (but for linear-attention layers, see `_roll_back_states`)."""
+        if self.recurrent:
+            self._roll_back_states(length)
+            return
         if isinstance(self._cache, StaticCache):
             for layer in self._cache.layers:
                 if layer.is_initialized:
@@ -175,3 +192,17 @@ class ModelRunner:
         extra = self._cache.get_seq_length() - length
         if extra > 0:
             self._cache.crop(-extra)
+
+    def _roll_back_states(self, length: int) -> None:
+        """Back to the checkpoint, then feed again the tokens fed since that stay: a recurrent
+        state cannot forget the rejected ones."""
+        checkpoint, fed = self._checkpoint, torch.cat(self._fed, dim=1) if self._fed else None
+        self._checkpoint, self._fed = None, []
+        if checkpoint is None or length >= checkpoint.length + fed.shape[1]:
+            return  # nothing to forget: the next step checkpoints the states as they are
+        if length < checkpoint.length:
+            raise ValueError(f"cannot roll back to {length}: the states were checkpointed at {checkpoint.length}")
+        checkpoint.restore()
+        if length > checkpoint.length:
+            self._eager_step(fed[:, : length - checkpoint.length],
+                             torch.arange(checkpoint.length, length, device=fed.device), keep=1)

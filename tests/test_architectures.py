@@ -1,7 +1,8 @@
 """The engine on other architectures than the Llama the rest of the suite uses: learned
 absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX),
 sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with
-full layers, Gemma2 with logit softcapping) and chunked attention mixed with full (Llama 4).
+full layers, Gemma2 with logit softcapping), chunked attention mixed with full (Llama 4) and
+linear attention mixed with full (Qwen3-Next, one request at a time).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
 cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
@@ -12,10 +13,10 @@ than the window.
 import pytest
 import torch
 import transformers
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_qwen3_next
 from test_engine import hf_greedy
 
-from engine import BatchRequest, InvalidRequestError, NGramDrafter, SpeculativeEngine
+from engine import BatchRequest, HybridDrafter, InvalidRequestError, NGramDrafter, SpeculativeEngine
 
 WINDOW = 8
 COMMON = dict(vocab_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -100,8 +101,34 @@ def test_a_batch_and_a_request_joining_it_are_lossless(models):
         assert not any(r.fell_back for r in batch), arm
 
 
-def test_a_batch_of_a_model_with_layers_it_cannot_mask_is_refused_by_name():
-    target = tiny_llama(0)
-    target.config.layer_types = ["full_attention", "linear_attention"]  # as a hybrid linear-attention model has
+@pytest.fixture(scope="module")
+def hybrid():
+    """A Qwen3-Next target (linear-attention and full-attention layers) and its greedy outputs."""
+    target = tiny_qwen3_next(0)
+    return target, [hf_greedy(target, p, NEW) for p in PROMPTS]
+
+
+def test_a_hybrid_model_rolls_its_linear_attention_states_back_and_stays_lossless(hybrid):
+    """A linear-attention layer holds one recurrent state, which no crop can take rejected drafts
+    back out of (transformers' crop refuses, and the request failed): the engine restores the
+    states from before the round and feeds the kept tokens again. Drafters: a Llama, a hybrid
+    model (rolled back the same way), n-gram lookup, and lookup with the hybrid model elsewhere
+    (its catch-up steps feed several tokens)."""
+    target, expected = hybrid
+    drafter = tiny_qwen3_next(1)
+    engine = SpeculativeEngine(target, {"llama": tiny_llama(1, layers=1), "qwen3next": drafter,
+                                        "ngram": NGramDrafter(), "lookup+model": HybridDrafter(drafter)})
+    for arm in ("off", "llama:3", "qwen3next:4", "ngram:4", "lookup+model:3"):
+        results = [engine.generate(p, arm, NEW) for p in PROMPTS]
+        assert [r.tokens for r in results] == expected, arm
+        assert not any(r.fell_back for r in results), arm
+        if arm != "off":  # rejected drafts were rolled back, kept ones kept
+            assert 0 < sum(r.metrics.accepted for r in results) < sum(r.metrics.drafted for r in results), arm
+
+
+def test_a_hybrid_model_is_refused_by_name_where_its_states_cannot_be_rolled_back(hybrid):
+    target, _ = hybrid
+    with pytest.raises(ValueError, match="linear_attention layers, which a static cache cannot roll back"):
+        SpeculativeEngine(target, static_cache=True)
     with pytest.raises(InvalidRequestError, match="linear_attention layers, which cannot run batched"):
         SpeculativeEngine(target).generate_batch(PROMPTS[:2], "off", max_new_tokens=4)

@@ -259,18 +259,17 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
 
 @pytest.mark.parametrize("batches", [True, False])
 def test_a_request_decoding_alone_pauses_for_one_that_arrives_and_both_finish_in_a_batch(
-        engine, target, tmp_path, batches):
+        engine, target, draft_model, tmp_path, batches):
     """Nothing joins the one-request path, so a request decoding alone pauses when another
     arrives and finishes in a continuous batch with it: its output, stream and record are the
     request's own, once, and the part served alone teaches the policy nothing (its drafter's
     prefill over part of an output would score model drafters low). An engine that cannot
     batch (a hybrid model's linear-attention layers) serves them one after the other instead."""
-    arms = [OFF, Arm("small", 2)]
     if not batches:
-        target, arms = tiny_qwen3_next(0), [OFF]
-        engine = SpeculativeEngine(target)
+        target = tiny_qwen3_next(0)
+        engine = SpeculativeEngine(target, {"small": draft_model})
     with Store(f"sqlite:///{tmp_path / 'p.db'}") as store:
-        ctl = AutotuneController(engine, store, policy="ucb", arms=arms, max_batch=4)
+        ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2)], max_batch=4)
         learned = []
         update = ctl.policy.update
         ctl.policy.update = lambda context, arm, outcome: (learned.append(context.key), update(context, arm, outcome))
