@@ -199,9 +199,9 @@ class StateCheckpoint:
             for i, state in recurrent.items():
                 layer.recurrent_states[i].copy_(state)
         extra = self.cache.get_seq_length() - self.length
+        if extra <= 0:
+            return
         for layer in self.cache.layers:
-            if extra <= 0:
-                break
             if not isinstance(layer, LinearAttentionCacheLayerMixin):
                 layer.crop(-extra)
             elif isinstance(layer, DynamicLayer):  # a layer with both: its attention part

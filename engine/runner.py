@@ -196,13 +196,14 @@ class ModelRunner:
     def _roll_back_states(self, length: int) -> None:
         """Back to the checkpoint, then feed again the tokens fed since that stay: a recurrent
         state cannot forget the rejected ones."""
-        checkpoint, fed = self._checkpoint, torch.cat(self._fed, dim=1) if self._fed else None
+        checkpoint, fed = self._checkpoint, self._fed
         self._checkpoint, self._fed = None, []
-        if checkpoint is None or length >= checkpoint.length + fed.shape[1]:
+        if checkpoint is None or length >= checkpoint.length + sum(t.shape[1] for t in fed):
             return  # nothing to forget: the next step checkpoints the states as they are
         if length < checkpoint.length:
             raise ValueError(f"cannot roll back to {length}: the states were checkpointed at {checkpoint.length}")
         checkpoint.restore()
+        fed = torch.cat(fed, dim=1)
         if length > checkpoint.length:
             self._eager_step(fed[:, : length - checkpoint.length],
                              torch.arange(checkpoint.length, length, device=fed.device), keep=1)
