@@ -221,6 +221,11 @@ class SpeculativeEngine:
 
     def add_drafter(self, name: str, drafter, tokenizer=None) -> None:
         """Register a drafter: a model, a local model folder, or any `Drafter` object."""
+        if not self.runner.verifies:
+            raise IncompatibleDrafterError(
+                f"the target ({type(self.target).__name__}) cannot verify drafts: its steps of several tokens"
+                " do not continue its recurrent state (see ModelRunner._check_steps); it decodes OFF only"
+            )
         if isinstance(drafter, (str, Path)):
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(drafter)
@@ -230,6 +235,11 @@ class SpeculativeEngine:
         model = model_drafter_of(drafter)
         if model is not None:
             model.runner = ModelRunner(model.model, self.cache_kind, self.compiled_cache_len)
+            if not model.runner.verifies:
+                raise IncompatibleDrafterError(
+                    f"drafter {name!r} ({type(model.model).__name__}) cannot draft: its steps of several tokens"
+                    " do not continue its recurrent state, and a drafter catches up and rolls back in such steps"
+                )
         vocab = getattr(drafter, "vocab_size", None)
         if vocab is not None and vocab != self.vocab_size:
             raise IncompatibleDrafterError(

@@ -16,9 +16,10 @@ would have overwritten what the rollback needs). The window is applied by the ma
 Chunked-attention layers (Llama 4) are cached by the same classes, their chunk standing for
 the window; only their masks differ.
 
-Hybrid models (Qwen3-Next, Qwen3.5) put linear-attention layers between attention layers. Such
-a layer holds one recurrent state, not an entry per position, so no crop can take rejected
-drafts back out of it (transformers' `crop` refuses). `StateCheckpoint` keeps those states as
+Hybrid models put recurrent layers between attention layers (linear attention in Qwen3-Next and
+Qwen3.5, Mamba-2 mixers in Falcon-H1 and Bamba, short convolutions in LFM2). Such a layer holds
+one state, not an entry per position, so no crop can take rejected drafts back out of it
+(transformers' `crop` refuses). `StateCheckpoint` keeps those states as
 they were before a round's first step; a rollback restores them, crops the attention layers,
 and feeds the kept tokens again (one more forward in a round that rejected drafts). Static and
 compiled caches do not take these layers (`recurrent_kinds` tells which a model has).
@@ -30,6 +31,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
+    CacheLayerMixin,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
@@ -190,6 +192,7 @@ class StateCheckpoint:
         self.states = [(layer, {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
                         {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None})
                        for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        self.attention = any(isinstance(layer, CacheLayerMixin) for layer in cache.layers)  # none in Mamba
 
     def restore(self) -> None:
         """Put the states back as they were, and crop the attention layers back to `length`."""
@@ -198,6 +201,8 @@ class StateCheckpoint:
                 layer.conv_states[i].copy_(state)
             for i, state in recurrent.items():
                 layer.recurrent_states[i].copy_(state)
+        if not self.attention:
+            return
         extra = self.cache.get_seq_length() - self.length
         if extra <= 0:
             return

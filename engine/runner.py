@@ -31,6 +31,7 @@ milliseconds and fixed costs dominate:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import time
 import types
@@ -38,6 +39,7 @@ from pathlib import Path
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel, StaticCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -108,6 +110,14 @@ class ModelRunner:
                              f" which a {cache} cache cannot roll back: use the dynamic cache")
         self._checkpoint: StateCheckpoint | None = None
         self._fed: list[torch.Tensor] = []
+        # Mamba-style models take their cache as `cache_params` (a `past_key_values` would be dropped
+        # into **kwargs, and every step would start from a fresh cache).
+        forward = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache_params" if "cache_params" in forward and "past_key_values" not in forward \
+            else "past_key_values"
+        self.verifies = True  # a step of several tokens continues from the cache (see `_check_steps`)
+        if self.recurrent:
+            self._check_steps()
         self._eager_request = cache != "compiled"  # a compiled runner serves too-long requests eagerly
         if cache == "compiled":
             context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
@@ -141,8 +151,61 @@ class ModelRunner:
             self._eager_request = True
             self._cache = GrowingCache(self.model.config)
             self._checkpoint, self._fed = None, []
-        out = self.model(prompt[None], past_key_values=self._cache, use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(prompt[None], **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0]
+
+    @torch.inference_mode()
+    def _check_steps(self) -> None:
+        """Make sure this recurrent model's cached steps continue from its states.
+
+        Transformers' recurrent layers differ: some read their state in a step of any length
+        (Qwen3-Next, Bamba), others only in a one-token step and restart it in a longer one
+        (Mamba, Jamba), which generate()'s one-token decoding never notices but a verify of K+1
+        tokens would, silently. So each kind of state (convolution, recurrent) is disturbed in
+        turn after a prefill: a step that gives the same logits anyway does not read it. A
+        one-token step must read every kind, or the model cannot be served here at all; a
+        several-token step must too, and a rollback must run, or the model can neither verify
+        drafts nor draft (`verifies`). Disturbing the state, unlike comparing with a full forward,
+        does not depend on how much a model's weights let its state matter.
+        """
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        ids = torch.arange(3, 11, device=self.model.device) % vocab
+        name = type(self.model).__name__
+        try:
+            self.begin(ids[:4], 16)
+            layers = [layer for layer in self._cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+            kinds = [kind for kind in ("conv_states", "recurrent_states")
+                     if any(s is not None for layer in layers for s in getattr(layer, kind).values())]
+            if not kinds:
+                raise ValueError(f"{name} keeps no state in the cache this engine gives it: it cannot be served here")
+            prefilled = StateCheckpoint(self._cache, 4)
+
+            def step(tokens: torch.Tensor, disturb: str | None = None) -> torch.Tensor:
+                prefilled.restore()
+                for layer in layers if disturb else ():
+                    for state in getattr(layer, disturb).values():
+                        if state is not None:
+                            state.add_(1.0)
+                positions = torch.arange(4, 4 + len(tokens), device=tokens.device)
+                return self._eager_step(tokens[None], positions, len(tokens))
+
+            def reads_every_kind(tokens: torch.Tensor) -> bool:
+                as_is = step(tokens)
+                return all(not torch.equal(step(tokens, kind), as_is) for kind in kinds)
+
+            if not reads_every_kind(ids[4:5]):
+                raise ValueError(f"{name}'s one-token steps do not read its cached states: it cannot be served here")
+            self.verifies = reads_every_kind(ids[4:7])
+            if self.verifies:
+                try:
+                    self.begin(ids[:4], 16)
+                    self.step(ids[None, 4:7], 4, keep=3)
+                    self.truncate(5)
+                    self.step(ids[None, 5:7], 5, keep=2)
+                except Exception:  # a layer that cannot be rolled back
+                    self.verifies = False
+        finally:
+            self._cache, self._checkpoint, self._fed = None, None, []
 
     def step(self, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
         """Logits [keep, V] for the last `keep` of `tokens` [1, T], fed at positions start..start+T-1."""
@@ -175,7 +238,7 @@ class ModelRunner:
         return types.MethodType(types.FunctionType(code, ModelRunner._eager_step.__globals__), self)
 
     def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
-        return self.model(tokens, past_key_values=self._cache, use_cache=True, logits_to_keep=keep,
+        return self.model(tokens, **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=keep,
                           cache_position=positions, position_ids=positions[None]).logits[0]
 
     def truncate(self, length: int) -> None:

@@ -2,7 +2,9 @@
 absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX),
 sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with
 full layers, Gemma2 with logit softcapping), chunked attention mixed with full (Llama 4) and
-linear attention mixed with full (Qwen3-Next, one request at a time).
+recurrent layers mixed with full attention (Qwen3-Next's linear attention, Falcon-H1's Mamba-2
+mixers, LFM2's short convolutions; one request at a time), and models whose recurrent layers
+cannot verify drafts (Mamba: OFF only).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
 cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
@@ -16,7 +18,14 @@ import transformers
 from conftest import tiny_llama, tiny_qwen3_next
 from test_engine import hf_greedy
 
-from engine import BatchRequest, HybridDrafter, InvalidRequestError, NGramDrafter, SpeculativeEngine
+from engine import (
+    BatchRequest,
+    HybridDrafter,
+    IncompatibleDrafterError,
+    InvalidRequestError,
+    NGramDrafter,
+    SpeculativeEngine,
+)
 
 WINDOW = 8
 COMMON = dict(vocab_size=64, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -101,24 +110,36 @@ def test_a_batch_and_a_request_joining_it_are_lossless(models):
         assert not any(r.fell_back for r in batch), arm
 
 
-@pytest.fixture(scope="module")
-def hybrid():
-    """A Qwen3-Next target (linear-attention and full-attention layers) and its greedy outputs."""
-    target = tiny_qwen3_next(0)
-    return target, [hf_greedy(target, p, NEW) for p in PROMPTS]
+RECURRENT = {  # models whose layers hold a recurrent state: name -> (seed -> model)
+    # gated linear attention between full-attention layers
+    "qwen3next": tiny_qwen3_next,
+    # a Mamba-2 mixer and attention side by side in every layer: one cache layer holds both
+    "falcon_h1": lambda seed: build(transformers.FalconH1Config(
+        num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+        mamba_chunk_size=8, **SHAPE), seed),
+    # short convolutions (a convolution state, no recurrent one) between full-attention layers
+    "lfm2": lambda seed: build(transformers.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"],
+                                                       **SHAPE), seed),
+}
 
 
-def test_a_hybrid_model_rolls_its_linear_attention_states_back_and_stays_lossless(hybrid):
-    """A linear-attention layer holds one recurrent state, which no crop can take rejected drafts
-    back out of (transformers' crop refuses, and the request failed): the engine restores the
-    states from before the round and feeds the kept tokens again. Drafters: a Llama, a hybrid
-    model (rolled back the same way), n-gram lookup, and lookup with the hybrid model elsewhere
-    (its catch-up steps feed several tokens)."""
-    target, expected = hybrid
-    drafter = tiny_qwen3_next(1)
-    engine = SpeculativeEngine(target, {"llama": tiny_llama(1, layers=1), "qwen3next": drafter,
+@pytest.fixture(scope="module", params=list(RECURRENT))
+def recurrent(request):
+    """A model with recurrent layers as target, a drafter of its kind, and the target's greedy outputs."""
+    target, drafter = RECURRENT[request.param](0), RECURRENT[request.param](1)
+    return target, drafter, [hf_greedy(target, p, NEW) for p in PROMPTS]
+
+
+def test_a_recurrent_model_rolls_its_states_back_and_stays_lossless(recurrent):
+    """A linear-attention, Mamba or convolution layer holds one state, not an entry per position,
+    so no crop can take rejected drafts back out of it (transformers' crop refuses, and the
+    request failed): the engine restores the states from before the round and feeds the kept
+    tokens again. Drafters: a Llama, a model of the target's kind (rolled back the same way),
+    n-gram lookup, and lookup with that model elsewhere (its catch-up steps feed several tokens)."""
+    target, drafter, expected = recurrent
+    engine = SpeculativeEngine(target, {"llama": tiny_llama(1, layers=1), "own": drafter,
                                         "ngram": NGramDrafter(), "lookup+model": HybridDrafter(drafter)})
-    for arm in ("off", "llama:3", "qwen3next:4", "ngram:4", "lookup+model:3"):
+    for arm in ("off", "llama:3", "own:4", "ngram:4", "lookup+model:3"):
         results = [engine.generate(p, arm, NEW) for p in PROMPTS]
         assert [r.tokens for r in results] == expected, arm
         assert not any(r.fell_back for r in results), arm
@@ -126,9 +147,27 @@ def test_a_hybrid_model_rolls_its_linear_attention_states_back_and_stays_lossles
             assert 0 < sum(r.metrics.accepted for r in results) < sum(r.metrics.drafted for r in results), arm
 
 
-def test_a_hybrid_model_is_refused_by_name_where_its_states_cannot_be_rolled_back(hybrid):
-    target, _ = hybrid
+def test_a_recurrent_model_is_refused_by_name_where_its_states_cannot_be_rolled_back():
+    target = tiny_qwen3_next(0)
     with pytest.raises(ValueError, match="linear_attention layers, which a static cache cannot roll back"):
         SpeculativeEngine(target, static_cache=True)
     with pytest.raises(InvalidRequestError, match="linear_attention layers, which cannot run batched"):
         SpeculativeEngine(target).generate_batch(PROMPTS[:2], "off", max_new_tokens=4)
+
+
+def test_a_model_whose_longer_steps_restart_its_state_decodes_off_only():
+    """Mamba takes its cache as `cache_params`, and reads its recurrent state only in a one-token
+    step: a step of several tokens starts from zero, so a verify would decode something else,
+    silently (generate() never feeds it more than one token). It still decodes OFF, and any
+    drafter, or Mamba as one, is refused by name."""
+    mamba = build(transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, state_size=8, **COMMON), 0)
+    engine = SpeculativeEngine(mamba)
+    assert [engine.generate(p, "off", NEW).tokens for p in PROMPTS] == [hf_greedy(mamba, p, NEW) for p in PROMPTS]
+    with pytest.raises(IncompatibleDrafterError, match=r"the target \(MambaForCausalLM\) cannot verify drafts"):
+        engine.add_drafter("ngram", NGramDrafter())
+    with pytest.raises(IncompatibleDrafterError, match=r"drafter 'mamba' \(MambaForCausalLM\) cannot draft"):
+        SpeculativeEngine(tiny_llama(0), {"mamba": mamba})
+    gemma = build(transformers.RecurrentGemmaConfig(num_hidden_layers=3, attention_window_size=WINDOW,
+                                                    lru_width=64, head_dim=16, **SHAPE), 0)
+    with pytest.raises(ValueError, match="RecurrentGemmaForCausalLM keeps no state in the cache"):
+        SpeculativeEngine(gemma)  # its states live in its modules
