@@ -123,10 +123,21 @@ _SPANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_batchable(model: PreTrainedModel) -> None:
-    """Refuse, naming them, a model with layers a batch cannot mask (linear attention...)."""
+    """Refuse, naming them, a model with layers a batch cannot mask (linear attention...) or
+    position biases it cannot keep (ALiBi)."""
     if unknown := set(_layer_spans(model)) - set(BatchCache.SEES):
         raise InvalidRequestError(f"{type(model).__name__} has {', '.join(sorted(unknown))} layers, which cannot"
                                   " run batched (batches take full, sliding-window and chunked attention)")
+    if uses_alibi(model.config):
+        raise InvalidRequestError(f"{type(model).__name__} biases attention by ALiBi, which transformers works out"
+                                  " from cache slots or a 2-D mask, not positions: a batch's holes would shift it"
+                                  " (MPT decoded other tokens), so it runs one request at a time")
+
+
+def uses_alibi(config) -> bool:
+    """ALiBi models in transformers: Bloom always, MPT by default, Falcon when asked."""
+    return (config.model_type == "bloom" or bool(getattr(config, "alibi", False))
+            or bool(getattr(getattr(config, "attn_config", None), "alibi", False)))
 
 
 def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:

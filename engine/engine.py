@@ -435,7 +435,18 @@ class SpeculativeEngine:
                 now = before_verify
 
             step = torch.tensor([[tokens[-1], *draft]], device=self.device)
-            logits = self.runner.step(step, len(tokens) - 1, keep=step.shape[1])
+            try:
+                logits = self.runner.step(step, len(tokens) - 1, keep=step.shape[1])
+            except Exception as exc:
+                if not draft:
+                    raise
+                # The target could not take a step this wide (a model bug, memory): OFF from here,
+                # from the cache as it was before the step (each layer cut back to it).
+                drafter, draft, q, result.fell_back = None, [], None, True
+                result.fallback_error = f"verify: {type(exc).__name__}: {exc}"
+                self.runner.truncate(len(tokens) - 1)
+                step = step[:, :1]
+                logits = self.runner.step(step, len(tokens) - 1, keep=1)
             if sampling.greedy:
                 n, nxt = verify_greedy(logits, draft)
             else:

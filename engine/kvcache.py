@@ -63,17 +63,19 @@ class GrowingLayer(DynamicLayer):
         start, end = self.length, self.length + key_states.shape[-2]
         if self._keys is None or end > self._keys.shape[-2]:
             rows = self.rows if self._keys is None else self._keys.shape[0]  # keeping rows that left for joiners
-            self._reallocate(rows, max(2 * end, MIN_CAPACITY), key_states)
+            self._reallocate(rows, max(2 * end, MIN_CAPACITY), key_states, value_states)
         self._keys[:self.rows, ..., start:end, :] = key_states
         self._values[:self.rows, ..., start:end, :] = value_states
         self._set_length(end)
         return self.keys, self.values
 
-    def _reallocate(self, rows: int, capacity: int, like: torch.Tensor) -> None:
+    def _reallocate(self, rows: int, capacity: int, keys_like: torch.Tensor, values_like: torch.Tensor) -> None:
         """New buffers of `rows` x `capacity` positions holding the filled part. Zeros, not empty
-        memory: padding that a mask hides must not be NaN, which would still poison attention."""
-        keys = like.new_zeros((rows, like.shape[1], capacity, like.shape[-1]))
-        values = torch.zeros_like(keys)
+        memory: padding that a mask hides must not be NaN, which would still poison attention.
+        Keys and values may differ in heads and width (DeepSeek's latent attention caches its
+        keys' two parts in them)."""
+        keys, values = (like.new_zeros((rows, like.shape[1], capacity, like.shape[-1]))
+                        for like in (keys_like, values_like))
         if self.length:
             keys[:self.rows, ..., :self.length, :] = self.keys
             values[:self.rows, ..., :self.length, :] = self.values
@@ -114,7 +116,7 @@ class GrowingLayer(DynamicLayer):
         rows, length = self.rows + other.rows, max(self.length, other.length)
         if rows > self._keys.shape[0] or length > self._keys.shape[-2]:
             self._reallocate(max(rows, self._keys.shape[0]), max(self._keys.shape[-2], other._keys.shape[-2]),
-                             self._keys)
+                             self._keys, self._values)
         for buffer, theirs in ((self._keys, other.keys), (self._values, other.values)):
             buffer[:self.rows, ..., self.length:length, :] = 0
             buffer[self.rows:rows, ..., :other.length, :] = theirs
@@ -192,7 +194,6 @@ class StateCheckpoint:
         self.states = [(layer, {i: s.clone() for i, s in layer.conv_states.items() if s is not None},
                         {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None})
                        for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        self.attention = any(isinstance(layer, CacheLayerMixin) for layer in cache.layers)  # none in Mamba
 
     def restore(self) -> None:
         """Put the states back as they were, and crop the attention layers back to `length`."""
@@ -201,13 +202,19 @@ class StateCheckpoint:
                 layer.conv_states[i].copy_(state)
             for i, state in recurrent.items():
                 layer.recurrent_states[i].copy_(state)
-        if not self.attention:
-            return
-        extra = self.cache.get_seq_length() - self.length
-        if extra <= 0:
-            return
-        for layer in self.cache.layers:
-            if not isinstance(layer, LinearAttentionCacheLayerMixin):
-                layer.crop(-extra)
-            elif isinstance(layer, DynamicLayer):  # a layer with both: its attention part
-                DynamicLayer.crop(layer, -extra)
+        crop_layers(self.cache, self.length)
+
+
+def crop_layers(cache: DynamicCache, length: int) -> None:
+    """Cut every attention layer of `cache` back to `length` positions, each by its own excess:
+    a step that failed midway grew only the layers it reached (DynamicCache.crop cuts every
+    layer by the first one's). Recurrent states are left alone; a model with none but them
+    (Mamba) has nothing to cut."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            if isinstance(layer, DynamicLayer):  # a layer with both: its attention part
+                extra = DynamicLayer.get_seq_length(layer) - length
+                if extra > 0:
+                    DynamicLayer.crop(layer, -extra)
+        elif isinstance(layer, CacheLayerMixin) and (extra := layer.get_seq_length() - length) > 0:
+            layer.crop(-extra)

@@ -43,7 +43,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from engine.kvcache import GrowingCache, StateCheckpoint, recurrent_kinds, rollback_static_cache
+from engine.kvcache import GrowingCache, StateCheckpoint, crop_layers, recurrent_kinds, rollback_static_cache
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
@@ -252,9 +252,7 @@ class ModelRunner:
                 if layer.is_initialized:
                     layer.cumulative_length.fill_(length)
             return
-        extra = self._cache.get_seq_length() - length
-        if extra > 0:
-            self._cache.crop(-extra)
+        crop_layers(self._cache, length)
 
     def _roll_back_states(self, length: int) -> None:
         """Back to the checkpoint, then feed again the tokens fed since that stay: a recurrent

@@ -4,7 +4,7 @@ sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2,
 full layers, Gemma2 with logit softcapping), chunked attention mixed with full (Llama 4) and
 recurrent layers mixed with full attention (Qwen3-Next's linear attention, Falcon-H1's Mamba-2
 mixers, LFM2's short convolutions; one request at a time), and models whose recurrent layers
-cannot verify drafts (Mamba: OFF only).
+cannot verify drafts (Mamba: OFF only), ALiBi (MPT: alone only) and latent attention (DeepSeek-V2).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
 cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
@@ -171,3 +171,37 @@ def test_a_model_whose_longer_steps_restart_its_state_decodes_off_only():
                                                     lru_width=64, head_dim=16, **SHAPE), 0)
     with pytest.raises(ValueError, match="RecurrentGemmaForCausalLM keeps no state in the cache"):
         SpeculativeEngine(gemma)  # its states live in its modules
+
+
+def test_alibi_models_decode_one_request_at_a_time_and_refuse_batches():
+    """MPT biases attention by ALiBi, which transformers works out from cache slots: alone (no
+    holes) it is lossless, in a batch the holes shifted it and it decoded other tokens."""
+    config = dict(d_model=64, n_heads=4, max_seq_len=256, vocab_size=64, initializer_range=0.3)
+    target = build(transformers.MptConfig(n_layers=2, **config), 0)
+    engine = SpeculativeEngine(target, {"small": build(transformers.MptConfig(n_layers=1, **config), 1),
+                                        "ngram": NGramDrafter()})
+    expected = [hf_greedy(target, p, NEW) for p in PROMPTS]
+    for arm in ("off", "small:3", "ngram:4"):
+        results = [engine.generate(p, arm, NEW) for p in PROMPTS]
+        assert [r.tokens for r in results] == expected, arm
+        assert not any(r.fell_back for r in results), arm
+    with pytest.raises(InvalidRequestError, match="MptForCausalLM biases attention by ALiBi"):
+        engine.generate_batch(PROMPTS[:2], "off", max_new_tokens=4)
+
+
+def test_latent_attention_with_keys_and_values_of_different_widths_is_lossless():
+    """DeepSeek-V2 caches its keys' two parts (a latent of one width, a rotary part of another)
+    as the cache's keys and values: the growing cache sized its values like its keys, and even
+    OFF failed. (Its speculative arms fall back to OFF in transformers 5.23, whose own code
+    cannot take a step of several tokens on a cache; the outputs must be the target's either way.)"""
+    def deepseek(layers):
+        return transformers.DeepseekV2Config(
+            num_hidden_layers=layers, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+            moe_intermediate_size=32, n_group=1, topk_group=1, **SHAPE)
+
+    target = build(deepseek(2), 0)
+    engine = SpeculativeEngine(target, {"small": build(deepseek(1), 1), "ngram": NGramDrafter()})
+    expected = [hf_greedy(target, p, NEW) for p in PROMPTS]
+    for arm in ("off", "small:3", "ngram:4"):
+        assert [engine.generate(p, arm, NEW).tokens for p in PROMPTS] == expected, arm

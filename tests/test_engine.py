@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_llama, tiny_qwen3_next
 
 from engine import (
     Arm,
@@ -137,6 +137,35 @@ def test_a_failing_drafter_falls_back_to_off_and_the_request_is_served(target):
     assert result.fell_back and "drafter blew up" in result.fallback_error
     assert result.tokens == hf_greedy(target, prompt, 30)
     assert result.metrics.drafted > 0  # it did speculate before failing
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3next"])
+def test_a_target_that_fails_a_verify_step_falls_back_to_off_and_the_request_is_served(kind):
+    """A target whose wide step raises midway (here in its second layer, at the second verify;
+    DeepSeek-V2's latent attention did in transformers 5.23): the step's first layer had already
+    cached the drafts, so each layer is cut back by its own excess (cutting all by the first
+    one's lost real positions) and OFF finishes the request."""
+    target = tiny_llama(0) if kind == "llama" else tiny_qwen3_next(0)
+    prompt = prompts(2, seed=5)[1]
+    expected = hf_greedy(target, prompt, 30)
+    engine = SpeculativeEngine(target, {"ngram": NGramDrafter(), "draft": tiny_llama(1, layers=1)})
+    wide_steps = []
+
+    def fail_the_second_verify(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden.shape[1] > 1:
+            wide_steps.append(hidden.shape[1])
+            if len(wide_steps) == 3:  # the prefill, a verify, then this one
+                raise RuntimeError("no kernel for this shape")
+
+    hook = target.model.layers[1].register_forward_pre_hook(fail_the_second_verify, with_kwargs=True)
+    try:
+        result = engine.generate(prompt, "draft:4", max_new_tokens=30)
+    finally:
+        hook.remove()
+    assert result.fell_back and result.fallback_error == "verify: RuntimeError: no kernel for this shape"
+    assert result.tokens == expected
+    assert result.metrics.drafted > 0
 
 
 def test_metrics_add_up(engine):
