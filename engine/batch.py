@@ -34,7 +34,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
-from engine.kvcache import GrowingCache
+from engine.kvcache import GrowingCache, crop_layers
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -367,10 +367,19 @@ class BatchRun:
         self.batch.draft_s += before_verify - now
         for i in self.live:
             self.metrics[i].draft_s += before_verify - now
-        ids, live = _block([[r.tokens[-1], *d] for r, d in zip(active, drafts)], self.target.device, right=False)
-        positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in active])
         first_slot = self.target_cache.slots
-        logits = self.target_cache.forward(ids, positions, live)
+        try:
+            ids, logits = self._verify(active, drafts)
+        except Exception as exc:
+            if not any(drafts):
+                raise
+            # The target could not take a step this wide (a model bug, memory): OFF from here, from
+            # the cache as it was before the step (each layer cut back to it), as alone.
+            crop_layers(self.target_cache.cache, first_slot)
+            self._fall_back(exc)
+            self.error = f"verify: {self.error}"
+            steps, drafts, qs = 0, [[] for _ in active], [None] * len(active)
+            ids, logits = self._verify(active, drafts)
         prevs = [len(r.tokens) for r in active]
         for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
             if r.sampling.greedy:
@@ -408,6 +417,12 @@ class BatchRun:
             self.metrics[i].add_verify(ids.shape[1], spent)
         _stream(active, prevs, self.batch)
         self._drop_finished()
+
+    def _verify(self, active: list[Row], drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward over each row's last token and its drafts, left-aligned."""
+        ids, live = _block([[r.tokens[-1], *d] for r, d in zip(active, drafts)], self.target.device, right=False)
+        positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in active])
+        return ids, self.target_cache.forward(ids, positions, live)
 
     def _drop_finished(self) -> None:
         """Finished rows leave the batch (and wait in `finished` for the caller)."""

@@ -189,6 +189,29 @@ def test_a_failing_batched_drafter_falls_back_to_off(engine, target, draft_model
     assert [r.tokens for r in out] == [hf_greedy(target, p, 20) for p in batch]
 
 
+def test_a_batch_whose_target_fails_a_verify_step_falls_back_to_off(engine, target):
+    """As alone (test_engine): the failed step had grown the first layer's cache only, so each
+    layer is cut back by its own excess, and OFF finishes every row."""
+    wide_steps = []
+
+    def fail_the_second_verify(module, args, kwargs):
+        if kwargs.get("hidden_states", args[0] if args else None).shape[1] > 1:
+            wide_steps.append(1)
+            if len(wide_steps) == 3:  # the prefill, a verify, then this one
+                raise RuntimeError("no kernel for this shape")
+
+    batch = prompts(5, seed=9)
+    expected = [hf_greedy(target, p, 20) for p in batch]
+    hook = target.model.layers[1].register_forward_pre_hook(fail_the_second_verify, with_kwargs=True)
+    try:
+        out = engine.generate_batch(batch, "small:3", 20)
+    finally:
+        hook.remove()
+    assert all(r.fell_back and r.fallback_error == "verify: RuntimeError: no kernel for this shape" for r in out)
+    assert [r.tokens for r in out] == expected
+    assert out.metrics.drafted > 0
+
+
 def test_batch_bad_input(engine):
     with pytest.raises(InvalidRequestError, match="cannot run batched"):
         engine.generate_batch([[1, 2]], "wrong:2")
