@@ -34,7 +34,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
-from engine.kvcache import GrowingCache, crop_layers
+from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -132,12 +132,6 @@ def check_batchable(model: PreTrainedModel) -> None:
         raise InvalidRequestError(f"{type(model).__name__} biases attention by ALiBi, which transformers works out"
                                   " from cache slots or a 2-D mask, not positions: a batch's holes would shift it"
                                   " (MPT decoded other tokens), so it runs one request at a time")
-
-
-def uses_alibi(config) -> bool:
-    """ALiBi models in transformers: Bloom always, MPT by default, Falcon when asked."""
-    return (config.model_type == "bloom" or bool(getattr(config, "alibi", False))
-            or bool(getattr(getattr(config, "attn_config", None), "alibi", False)))
 
 
 def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:

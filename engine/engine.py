@@ -21,7 +21,7 @@ from engine.arms import MAX_K, OFF, Arm
 from engine.batch import BatchRun, Row, check_batchable
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
-from engine.kvcache import recurrent_kinds
+from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.schedule import ConstantK, KSchedule
@@ -196,7 +196,8 @@ class SpeculativeEngine:
         self.tokenizer = tokenizer
         self.target = _load(target, self.device, dtype)
         if compile is None:  # on CPU each graph takes ~3-13 s to compile here: opt in
-            compile = self.device.type == "cuda" and not recurrent_kinds(self.target.config)  # see kvcache
+            compile = (self.device.type == "cuda" and not recurrent_kinds(self.target.config)
+                       and not uses_alibi(self.target.config))  # see kvcache
         self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
         self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         self.runner = ModelRunner(self.target, self.cache_kind, compiled_cache_len)

@@ -186,6 +186,15 @@ def recurrent_kinds(config) -> set[str]:
             if issubclass(DYNAMIC_LAYER_TYPE_MAPPING.get(kind, object), LinearAttentionCacheLayerMixin)}
 
 
+def uses_alibi(config) -> bool:
+    """Whether attention is biased by ALiBi (Bloom always, MPT by default, Falcon when asked).
+    transformers works the biases out from cache slots or a 2-D mask, not positions, so such a
+    model runs only where slots are positions: the dynamic cache, one request at a time (a
+    static cache's length threw Falcon's off)."""
+    return (config.model_type == "bloom" or bool(getattr(config, "alibi", False))
+            or bool(getattr(getattr(config, "attn_config", None), "alibi", False)))
+
+
 class StateCheckpoint:
     """The recurrent states of a cache's linear-attention layers at one length, to roll back to."""
 

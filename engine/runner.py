@@ -43,7 +43,14 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from engine.kvcache import GrowingCache, StateCheckpoint, crop_layers, recurrent_kinds, rollback_static_cache
+from engine.kvcache import (
+    GrowingCache,
+    StateCheckpoint,
+    crop_layers,
+    recurrent_kinds,
+    rollback_static_cache,
+    uses_alibi,
+)
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
@@ -108,6 +115,9 @@ class ModelRunner:
         if self.recurrent and cache != "dynamic":
             raise ValueError(f"{type(model).__name__} has {', '.join(sorted(recurrent_kinds(model.config)))} layers,"
                              f" which a {cache} cache cannot roll back: use the dynamic cache")
+        if uses_alibi(model.config) and cache != "dynamic":
+            raise ValueError(f"{type(model).__name__} biases attention by ALiBi, which a {cache} cache's length"
+                             " throws off: use the dynamic cache")
         self._checkpoint: StateCheckpoint | None = None
         self._fed: list[torch.Tensor] = []
         # Mamba-style models take their cache as `cache_params` (a `past_key_values` would be dropped

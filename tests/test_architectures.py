@@ -3,8 +3,9 @@ absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-
 sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with
 full layers, Gemma2 with logit softcapping), chunked attention mixed with full (Llama 4) and
 recurrent layers mixed with full attention (Qwen3-Next's linear attention, Falcon-H1's Mamba-2
-mixers, LFM2's short convolutions; one request at a time), and models whose recurrent layers
-cannot verify drafts (Mamba: OFF only), ALiBi (MPT: alone only) and latent attention (DeepSeek-V2).
+mixers, LFM2's short convolutions; one request at a time), models whose recurrent layers
+cannot verify drafts (Mamba: OFF only), ALiBi (MPT, Falcon: alone, on the dynamic cache) and
+latent attention (DeepSeek-V2).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
 cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
@@ -173,20 +174,32 @@ def test_a_model_whose_longer_steps_restart_its_state_decodes_off_only():
         SpeculativeEngine(gemma)  # its states live in its modules
 
 
-def test_alibi_models_decode_one_request_at_a_time_and_refuse_batches():
-    """MPT biases attention by ALiBi, which transformers works out from cache slots: alone (no
-    holes) it is lossless, in a batch the holes shifted it and it decoded other tokens."""
-    config = dict(d_model=64, n_heads=4, max_seq_len=256, vocab_size=64, initializer_range=0.3)
-    target = build(transformers.MptConfig(n_layers=2, **config), 0)
-    engine = SpeculativeEngine(target, {"small": build(transformers.MptConfig(n_layers=1, **config), 1),
-                                        "ngram": NGramDrafter()})
+ALIBI = {  # name: layers -> config
+    "mpt": lambda n: transformers.MptConfig(n_layers=n, d_model=64, n_heads=4, max_seq_len=256, vocab_size=64,
+                                            initializer_range=0.3),
+    "falcon": lambda n: transformers.FalconConfig(num_hidden_layers=n, hidden_size=64, num_attention_heads=4,
+                                                  alibi=True, initializer_range=0.3, **COMMON),
+}
+
+
+@pytest.mark.parametrize("kind", list(ALIBI))
+def test_alibi_models_decode_one_request_at_a_time_on_the_dynamic_cache_only(kind):
+    """MPT and Falcon (with `alibi`) bias attention by ALiBi, which transformers works out from
+    cache slots or a 2-D mask: alone on the dynamic cache (slots are positions) they are
+    lossless; in a batch the holes shifted MPT's and it decoded other tokens, and a static
+    cache's length threw Falcon's off (the request failed)."""
+    target = build(ALIBI[kind](2), 0)
+    engine = SpeculativeEngine(target, {"small": build(ALIBI[kind](1), 1), "ngram": NGramDrafter()})
     expected = [hf_greedy(target, p, NEW) for p in PROMPTS]
     for arm in ("off", "small:3", "ngram:4"):
         results = [engine.generate(p, arm, NEW) for p in PROMPTS]
         assert [r.tokens for r in results] == expected, arm
         assert not any(r.fell_back for r in results), arm
-    with pytest.raises(InvalidRequestError, match="MptForCausalLM biases attention by ALiBi"):
+    name = type(target).__name__
+    with pytest.raises(InvalidRequestError, match=f"{name} biases attention by ALiBi"):
         engine.generate_batch(PROMPTS[:2], "off", max_new_tokens=4)
+    with pytest.raises(ValueError, match=f"{name} biases attention by ALiBi, which a static cache"):
+        SpeculativeEngine(target, static_cache=True)
 
 
 def test_latent_attention_with_keys_and_values_of_different_widths_is_lossless():
