@@ -1,11 +1,11 @@
 """The engine on other architectures than the Llama the rest of the suite uses: learned
-absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX),
-sliding-window attention (Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with
-full layers, Gemma2 with logit softcapping), chunked attention mixed with full (Llama 4) and
-recurrent layers mixed with full attention (Qwen3-Next's linear attention, Falcon-H1's Mamba-2
-mixers, LFM2's short convolutions; one request at a time), models whose recurrent layers
-cannot verify drafts (Mamba: OFF only), ALiBi (MPT, Falcon: alone, on the dynamic cache) and
-latent attention (DeepSeek-V2).
+absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX), latent
+attention whose cached keys and values differ in width (DeepSeek-V2), sliding-window attention
+(Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with full layers, Gemma2 with
+logit softcapping), chunked attention mixed with full (Llama 4), recurrent layers mixed with
+full attention (Qwen3-Next's linear attention, Falcon-H1's Mamba-2 mixers, LFM2's short
+convolutions; one request at a time), models whose recurrent layers cannot verify drafts
+(Mamba: OFF only), and ALiBi (MPT, Falcon: alone, on the dynamic cache).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
 cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
@@ -56,6 +56,11 @@ CONFIGS = {  # name: (target config, drafter config)
     "llama4-chunked": lambda: tuple(  # 4 layers: 3 chunked, 1 full
         transformers.Llama4TextConfig(num_hidden_layers=n, head_dim=16, attention_chunk_size=WINDOW,
                                       num_local_experts=2, intermediate_size_mlp=128, **SHAPE) for n in (4, 1)),
+    "deepseek_v2": lambda: tuple(  # latent attention: its cached keys and values differ in width
+        transformers.DeepseekV2Config(num_hidden_layers=n, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                      qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                      first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                      **dict(SHAPE, num_key_value_heads=4)) for n in (2, 1)),
     "gpt2": lambda: tuple(transformers.GPT2Config(n_embd=64, n_layer=n, n_head=4, n_positions=256,
                                                   initializer_range=0.3, **COMMON) for n in (2, 1)),
     "opt": lambda: tuple(transformers.OPTConfig(hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
@@ -200,21 +205,3 @@ def test_alibi_models_decode_one_request_at_a_time_on_the_dynamic_cache_only(kin
         engine.generate_batch(PROMPTS[:2], "off", max_new_tokens=4)
     with pytest.raises(ValueError, match=f"{name} biases attention by ALiBi, which a static cache"):
         SpeculativeEngine(target, static_cache=True)
-
-
-def test_latent_attention_with_keys_and_values_of_different_widths_is_lossless():
-    """DeepSeek-V2 caches its keys' two parts (a latent of one width, a rotary part of another)
-    as the cache's keys and values: the growing cache sized its values like its keys, and even
-    OFF failed. (Its speculative arms fall back to OFF in transformers 5.23, whose own code
-    cannot take a step of several tokens on a cache; the outputs must be the target's either way.)"""
-    def deepseek(layers):
-        return transformers.DeepseekV2Config(
-            num_hidden_layers=layers, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-            moe_intermediate_size=32, n_group=1, topk_group=1, **SHAPE)
-
-    target = build(deepseek(2), 0)
-    engine = SpeculativeEngine(target, {"small": build(deepseek(1), 1), "ngram": NGramDrafter()})
-    expected = [hf_greedy(target, p, NEW) for p in PROMPTS]
-    for arm in ("off", "small:3", "ngram:4"):
-        assert [engine.generate(p, arm, NEW).tokens for p in PROMPTS] == expected, arm

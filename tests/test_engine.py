@@ -141,10 +141,10 @@ def test_a_failing_drafter_falls_back_to_off_and_the_request_is_served(target):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3next"])
 def test_a_target_that_fails_a_verify_step_falls_back_to_off_and_the_request_is_served(kind):
-    """A target whose wide step raises midway (here in its second layer, at the second verify;
-    DeepSeek-V2's latent attention did in transformers 5.23): the step's first layer had already
-    cached the drafts, so each layer is cut back by its own excess (cutting all by the first
-    one's lost real positions) and OFF finishes the request."""
+    """A target whose wide step raises midway (here in its second layer, at the second verify; a
+    model bug or memory in life): the step's first layer had already cached the drafts, so each
+    layer is cut back by its own excess (cutting all by the first one's lost real positions)
+    and OFF finishes the request."""
     target = tiny_llama(0) if kind == "llama" else tiny_qwen3_next(0)
     prompt = prompts(2, seed=5)[1]
     expected = hf_greedy(target, prompt, 30)
