@@ -175,6 +175,7 @@ class Row:
     max_new_tokens: int
     sampling: SamplingParams
     generator: torch.Generator | None
+    stops: set[int]  # the model's EOS and the request's stop_token_ids
     streamer: Streamer | None = None
     stream_error: str | None = None  # its streamer raised: the row leaves the batch
     resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
@@ -239,8 +240,8 @@ class BatchRun:
     that drafter over every live row's context; K and n-gram lookup need nothing.
     """
 
-    def __init__(self, target: PreTrainedModel, drafter, k: int, eos: set[int], batch, clock) -> None:
-        self.target, self.eos, self.batch, self.clock = target, eos, batch, clock
+    def __init__(self, target: PreTrainedModel, drafter, k: int, batch, clock) -> None:
+        self.target, self.batch, self.clock = target, batch, clock
         self.rows: list[Row] = []
         self.metrics: list = []  # one GenerationMetrics per row
         self.live: list[int] = []  # indexes into rows/metrics, in the caches' row order
@@ -307,7 +308,7 @@ class BatchRun:
         self.batch.prefill_s += prefill
         self.batch.draft_prefill_s += draft_prefill
         for r, m in zip(rows, metrics):
-            r.done = r.tokens[-1] in self.eos or r.remaining <= 0
+            r.done = r.tokens[-1] in r.stops or r.remaining <= 0
             r.joined_s = joined_at
             m.prefill_s, m.draft_prefill_s = prefill, draft_prefill
         first = len(self.rows)
@@ -387,7 +388,7 @@ class BatchRun:
             r.tokens.extend(d[:n])
             r.tokens.append(nxt)
             for j, t in enumerate(r.tokens[prev:]):
-                if t in self.eos:
+                if t in r.stops:
                     del r.tokens[prev + j + 1:]
                     r.done = True
                     break

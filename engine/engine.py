@@ -416,7 +416,8 @@ class SpeculativeEngine:
             now = self._streamed(m, now)
 
         k = arm.k
-        done = tokens[-1] in self.eos_token_id or result.stream_error is not None
+        stops = self.eos_token_id.union(sampling.stop_token_ids)
+        done = tokens[-1] in stops or result.stream_error is not None
         paused = False
         while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
@@ -458,7 +459,7 @@ class SpeculativeEngine:
             tokens.append(nxt)
             self.runner.truncate(len(tokens) - 1)
             for i, t in enumerate(tokens[prev:]):  # an EOS inside an accepted draft ends it there
-                if t in self.eos_token_id:
+                if t in stops:
                     del tokens[prev + i + 1 :]
                     done = True
                     break
@@ -551,8 +552,8 @@ class SpeculativeEngine:
         self.check_request(ids.numel(), arm, request.max_new_tokens)
         sampling = request.sampling or SamplingParams()
         generator = request.generator if request.generator is not None else self._generator(sampling)
-        return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator, request.streamer,
-                   resumes=request.resumes)
+        return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,
+                   self.eos_token_id.union(sampling.stop_token_ids), request.streamer, resumes=request.resumes)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:
@@ -595,8 +596,7 @@ class BatchSession:
         self.arm = arm
         self.metrics = GenerationMetrics()  # the batch's: its rounds, drafter steps and times
         self.results: dict[int, GenerationResult] = {}
-        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, engine.eos_token_id, self.metrics,
-                             engine._sync)
+        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync)
 
     def _drafter(self, arm: Arm) -> Drafter | None:
         return self.engine.check_batch_request(1, arm, 1)  # the model and the drafter can run batched

@@ -18,17 +18,24 @@ from engine.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; seed makes a sampled request reproducible."""
+    """temperature 0 means greedy; seed makes a sampled request reproducible; the output ends at
+    the first of `stop_token_ids` (kept, as an EOS is) as well as at the model's EOS, as
+    generate() with those ids added to `eos_token_id` (vLLM's `stop_token_ids`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        stops = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and t >= 0 for t in stops):
+            raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")
+        object.__setattr__(self, "stop_token_ids", stops)  # a list given is kept as a tuple: hashable
 
     @property
     def greedy(self) -> bool:

@@ -162,13 +162,17 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
                                  max_batch=8, batch_wait_ms=200, min_baseline_steps=4, mix_classes=mix_classes)
         start = threading.Barrier(8)
         results, errors = {}, {}
+        free = hf_greedy(target, PROMPTS[4], 10)
+        stopped = free[:free.index(free[2]) + 1]  # request 4 stops at its own stop token, its 3rd or before
 
-        def worker(i):  # even: code, greedy; odd: chat, sampled but for one
+        def worker(i):  # even: code, greedy (4 with a stop token); odd: chat, sampled but for one
             start.wait()
-            sampled = {"temperature": 1.0, "seed": i} if i in (1, 3) else {}
+            options = {"temperature": 1.0, "seed": i} if i in (1, 3) else {}
+            if i == 4:
+                options = {"stop_token_ids": [free[2]]}
             try:
                 results[i] = ctl.generate(too_long if i == 7 else PROMPTS[i], request_class="code" if i % 2 == 0
-                                          else "chat", max_new_tokens=6 + i, **sampled)
+                                          else "chat", max_new_tokens=6 + i, **options)
             except Exception as exc:
                 errors[i] = exc
 
@@ -176,7 +180,9 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
             run_in_threads(worker, 8)
             start.reset()
             assert sorted(results) == list(range(7)) and list(errors) == [7]
+            assert results[4].request_class == "code"
             assert "exceeds the target's context" in str(errors[7])
+            assert results.pop(4).tokens == stopped
             for i, r in results.items():  # each its own length and class, greedy ones the target's own output
                 assert len(r.tokens) == 6 + i and r.request_class == ("code" if i % 2 == 0 else "chat")
                 if i not in (1, 3):

@@ -122,6 +122,28 @@ def test_eos_inside_an_accepted_draft_stops_exactly_there(target):
         target.generation_config.eos_token_id = None
 
 
+def test_a_request_stops_at_its_own_stop_token_ids_inside_an_accepted_draft(target):
+    """vLLM's `stop_token_ids`: the output ends at the first of them (kept), as generate() with
+    them added to `eos_token_id` ends; alone and in a batch, greedy and sampled (a sampled
+    output is the arm's own free-running one, cut there: its draws depend on the arm)."""
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=3)
+    for sampling in (SamplingParams(), SamplingParams(1.0, seed=7)):
+        stop = engine.generate(batch[0], "off", 30, sampling).tokens[6]  # a stop inside a draft of 8
+        stopping = SamplingParams(sampling.temperature, seed=sampling.seed, stop_token_ids=[stop])
+        if sampling.greedy:
+            assert [engine.generate(p, "off", 30, stopping).tokens for p in batch] == [
+                hf_greedy(target, p, 30, eos=stop) for p in batch]
+        for arm in ("off", "self:8", "ngram:4"):
+            free = [engine.generate(p, arm, 30, sampling).tokens for p in batch]
+            expected = [f[:f.index(stop) + 1] if stop in f else f for f in free]
+            assert expected != free  # the stop ends at least one request early
+            assert [engine.generate(p, arm, 30, stopping).tokens for p in batch] == expected, arm
+            assert [r.tokens for r in engine.generate_batch(batch, arm, 30, [stopping] * 3)] == expected, arm
+    with pytest.raises(InvalidRequestError, match="stop_token_ids must be token ids"):
+        SamplingParams(stop_token_ids=[-1])
+
+
 def test_k_may_change_between_rounds(engine, target):
     for prompt in prompts(5, seed=11):
         reference = hf_greedy(target, prompt, 25)
