@@ -206,6 +206,7 @@ class AutotuneController:
         top_p: float = 1.0,
         seed: int | None = None,
         streamer: Streamer | None = None,
+        stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
     ) -> ControlledResult:
         """Serve one request on the arm the policy picks for its class; learn from it.
@@ -214,13 +215,14 @@ class AutotuneController:
         wait at the same moment (of any class, or of its own with `mix_classes=False`); its
         output is the one it gets alone either way. `streamer` (transformers' `TextStreamer`,
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
-        request is done or fails. `stop_token_ids` end the output as the model's EOS does.
+        request is done or fails. `stop` strings and `stop_token_ids` end the output as the model's
+        EOS does (vLLM's names; see engine/stopping.py).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             _check_label(request_class)
-            sampling = SamplingParams(temperature, top_p, seed, tuple(stop_token_ids))
+            sampling = SamplingParams(temperature, top_p, seed, tuple(stop_token_ids), stop)
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
@@ -253,6 +255,7 @@ class AutotuneController:
         top_p: float = 1.0,
         seeds: list[int | None] | None = None,
         streamers: list[Streamer | None] | None = None,
+        stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
     ) -> list[ControlledResult]:
         """Serve requests of one class together, one forward pass per round, on one arm.
@@ -274,9 +277,9 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             count = len(prompts)
-            return self._serve(prompts, [request_class] * count, [max_new_tokens] * count,
-                               [SamplingParams(temperature, top_p, seed, tuple(stop_token_ids)) for seed in seeds],
-                               ends, [arrived] * count)
+            sampling = [SamplingParams(temperature, top_p, seed, tuple(stop_token_ids), stop) for seed in seeds]
+            return self._serve(prompts, [request_class] * count, [max_new_tokens] * count, sampling, ends,
+                               [arrived] * count)
         finally:
             for streamer in ends:
                 end_stream(streamer)

@@ -39,6 +39,7 @@ from engine.sampling import SamplingParams, probabilities, sample, verify_greedy
 
 if TYPE_CHECKING:
     from engine.engine import GenerationResult
+from engine.stopping import Stopping
 from engine.streaming import Streamer, put_prompt, put_tokens
 
 
@@ -175,7 +176,7 @@ class Row:
     max_new_tokens: int
     sampling: SamplingParams
     generator: torch.Generator | None
-    stops: set[int]  # the model's EOS and the request's stop_token_ids
+    stopping: Stopping  # the model's EOS, the request's stop_token_ids and stop strings
     streamer: Streamer | None = None
     stream_error: str | None = None  # its streamer raised: the row leaves the batch
     resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
@@ -308,7 +309,7 @@ class BatchRun:
         self.batch.prefill_s += prefill
         self.batch.draft_prefill_s += draft_prefill
         for r, m in zip(rows, metrics):
-            r.done = r.tokens[-1] in r.stops or r.remaining <= 0
+            r.done = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None or r.remaining <= 0
             r.joined_s = joined_at
             m.prefill_s, m.draft_prefill_s = prefill, draft_prefill
         first = len(self.rows)
@@ -387,11 +388,9 @@ class BatchRun:
             prev = len(r.tokens)
             r.tokens.extend(d[:n])
             r.tokens.append(nxt)
-            for j, t in enumerate(r.tokens[prev:]):
-                if t in r.stops:
-                    del r.tokens[prev + j + 1:]
-                    r.done = True
-                    break
+            if (end := r.stopping.end(r.tokens, prev)) is not None:
+                del r.tokens[end + 1:]
+                r.done = True
             r.done = r.done or r.remaining <= 0
             m = self.metrics[i]
             m.rounds += 1

@@ -25,6 +25,7 @@ from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
 from engine.schedule import ConstantK, KSchedule
+from engine.stopping import Stopping
 from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
 
 
@@ -393,6 +394,7 @@ class SpeculativeEngine:
                 sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None,
                 pause: Callable[[], bool] | None) -> GenerationResult:
         generator = self._generator(sampling)
+        stopping = self._stopping(sampling, ids.numel())
 
         m = GenerationMetrics(prompt_tokens=ids.numel())
         m.drafted_per_position = [0] * MAX_K
@@ -416,8 +418,7 @@ class SpeculativeEngine:
             now = self._streamed(m, now)
 
         k = arm.k
-        stops = self.eos_token_id.union(sampling.stop_token_ids)
-        done = tokens[-1] in stops or result.stream_error is not None
+        done = stopping.end(tokens, len(tokens) - 1) is not None or result.stream_error is not None
         paused = False
         while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
@@ -458,11 +459,9 @@ class SpeculativeEngine:
             tokens.extend(draft[:n])
             tokens.append(nxt)
             self.runner.truncate(len(tokens) - 1)
-            for i, t in enumerate(tokens[prev:]):  # an EOS inside an accepted draft ends it there
-                if t in stops:
-                    del tokens[prev + i + 1 :]
-                    done = True
-                    break
+            if (end := stopping.end(tokens, prev)) is not None:  # an EOS inside an accepted draft ends it there
+                del tokens[end + 1:]
+                done = True
             if draft:
                 m.drafted += len(draft)
                 m.draft_steps += len(draft)
@@ -552,8 +551,12 @@ class SpeculativeEngine:
         self.check_request(ids.numel(), arm, request.max_new_tokens)
         sampling = request.sampling or SamplingParams()
         generator = request.generator if request.generator is not None else self._generator(sampling)
+        output_start = request.resumes.metrics.prompt_tokens if request.resumes is not None else ids.numel()
         return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,
-                   self.eos_token_id.union(sampling.stop_token_ids), request.streamer, resumes=request.resumes)
+                   self._stopping(sampling, output_start), request.streamer, resumes=request.resumes)
+
+    def _stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
+        return Stopping(self.eos_token_id.union(sampling.stop_token_ids), sampling.stop, self.tokenizer, output_start)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:

@@ -18,14 +18,16 @@ from engine.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; seed makes a sampled request reproducible; the output ends at
-    the first of `stop_token_ids` (kept, as an EOS is) as well as at the model's EOS, as
-    generate() with those ids added to `eos_token_id` (vLLM's `stop_token_ids`)."""
+    """temperature 0 means greedy; seed makes a sampled request reproducible. Besides the model's
+    EOS, the output ends at the first of `stop_token_ids`, as generate() with them added to
+    `eos_token_id`, or at the token whose text completes one of the `stop` strings (vLLM's names;
+    the ending token is kept, see engine/stopping.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -36,6 +38,10 @@ class SamplingParams:
         if not all(isinstance(t, int) and t >= 0 for t in stops):
             raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")
         object.__setattr__(self, "stop_token_ids", stops)  # a list given is kept as a tuple: hashable
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in strings):
+            raise InvalidRequestError(f"stop must be non-empty strings, got {list(strings)}")
+        object.__setattr__(self, "stop", strings)
 
     @property
     def greedy(self) -> bool:

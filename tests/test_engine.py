@@ -144,6 +144,40 @@ def test_a_request_stops_at_its_own_stop_token_ids_inside_an_accepted_draft(targ
         SamplingParams(stop_token_ids=[-1])
 
 
+def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
+    """vLLM's `stop`: the output ends at the token whose text completes a stop string (kept), also
+    inside an accepted draft, alone and in a batch; the engine looks only at the last tokens'
+    text, the expected end is found on the whole text."""
+    from transformers import AutoTokenizer
+
+    from autotune.zoo import DEFAULT_FAMILY_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    target = tiny_llama(0, vocab=len(tokenizer))
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, tokenizer=tokenizer)
+    batch = [[(7 * i + 3 * j) % 2000 + 40 for j in range(6 + i)] for i in range(3)]
+    free = [engine.generate(p, "off", 30).tokens for p in batch]
+    text = tokenizer.decode(free[0][:12], skip_special_tokens=True)
+    stop = text[-3:]  # completed by the first request's 12th token at the latest
+
+    def cut(tokens):
+        for j in range(len(tokens)):
+            if stop in tokenizer.decode(tokens[:j + 1], skip_special_tokens=True):
+                return tokens[:j + 1]
+        return tokens
+
+    expected = [cut(f) for f in free]
+    assert expected[0] != free[0] and len(expected[0]) <= 12
+    stopping = SamplingParams(stop=stop)
+    for arm in ("off", "self:8", "ngram:4"):
+        results = [engine.generate(p, arm, 30, stopping) for p in batch]
+        assert [r.tokens for r in results] == expected, arm
+        assert stop in results[0].text
+        assert [r.tokens for r in engine.generate_batch(batch, arm, 30, [stopping] * 3)] == expected, arm
+    with pytest.raises(InvalidRequestError, match="stop strings need the engine's tokenizer"):
+        SpeculativeEngine(target).generate(batch[0], "off", 5, stopping)
+
+
 def test_k_may_change_between_rounds(engine, target):
     for prompt in prompts(5, seed=11):
         reference = hf_greedy(target, prompt, 25)

@@ -108,6 +108,18 @@ def test_transformers_text_iterator_streamer_yields_the_requests_text(family):
     assert "".join(streamer) == result.text and len(result.text) > 20
 
 
+def test_a_stop_string_ends_the_output_and_its_stream_at_the_token_that_completes_it(family):
+    ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
+    prompt = "def parse_args(argv):\n"
+    free = ctl.generate(prompt, request_class="code", max_new_tokens=48)
+    stop = free.text[len(free.text) // 2:][:3]
+    streamer = TextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result = ctl.generate(prompt, request_class="code", max_new_tokens=48, streamer=streamer, stop=[stop])
+    assert result.tokens == free.tokens[:len(result.tokens)] and len(result.tokens) < len(free.tokens)
+    assert stop in result.text and stop not in family.tokenizer.decode(result.tokens[:-1], skip_special_tokens=True)
+    assert "".join(streamer) == result.text
+
+
 def test_requests_awaited_together_are_coalesced_and_each_gets_its_own_output(engine, target):
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=8, batch_wait_ms=200)
     batch = prompts(8)
