@@ -376,17 +376,19 @@ class AutotuneController:
         not replayed. `resumed`: the batch's one request was paused for requests that arrived
         (its rest, and when the engine began on it); the arm is decided for all of them, and
         they join at once."""
-        requests: list[tuple] = []  # per request: (class, classified, features, sampling, arrived, began)
-        results: dict[int, ControlledResult] = {}
+        requests: list[tuple] = []  # per session row: (class, classified, features, sampling, arrived, began)
+        tickets: list[int] = []  # per session row: its item's index in `batch`
+        outcomes: dict[int, ControlledResult | Exception] = {}  # per item of `batch`
         with self._engine_lock, self.gpu.measure() as gpu:
 
             def take(items: list, rest: BatchRequest | None = None, began: float | None = None) -> None:
                 began = began if began is not None else time.perf_counter()
+                session.add([rest] if rest is not None else
+                            [BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
                 for one, cls, was_classified, limit, sp, _, since in items:
                     requests.append((cls, was_classified, request_features(one, limit, sp.temperature, sp.top_p),
                                      sp, since, began))
-                session.add([rest] if rest is not None else
-                            [BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
+                tickets.extend(range(len(batch.items) - len(items), len(batch.items)))
 
             first = batch.items
             started = time.perf_counter()
@@ -402,19 +404,24 @@ class AutotuneController:
             while True:
                 room = self._coalescer.max_batch - session.live_rows
                 if room > 0 and (joining := batch.join(room, functools.partial(self._fits, session.arm))):
-                    take(joining)
+                    try:
+                        take(joining)
+                    except Exception as exc:  # their prefill failed (a model error, memory): the batch goes on
+                        for t in range(len(batch.items) - len(joining), len(batch.items)):
+                            outcomes[t] = exc
+                            batch.deliver(t, exc)
                 for i, result in session.finished():
                     cls, labelled, feats, sp, since, began = requests[i]
                     with self._policy_lock:
                         off_s, taken_s = self._row_times(segment["context"].key, result.metrics,
                                                          self.costs.get(load_bucket(segment["context"].load)))
-                    results[i] = ControlledResult(
+                    served = outcomes[tickets[i]] = ControlledResult(
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
                         off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
                         *gpu.so_far(), result.fell_back, result.stream_error, began - since)
                     if self.store is not None:
-                        self._record(results[i], labelled, feats, sp)
-                    batch.deliver(i, results[i])
+                        self._record(served, labelled, feats, sp)
+                    batch.deliver(tickets[i], served)
                 if not session.live_rows:
                     break
                 if session.metrics.rounds - segment["totals"].rounds >= self.decide_every:
@@ -431,7 +438,7 @@ class AutotuneController:
                 session.step()
             self._learn_segment(segment, session)
             session.close()
-        return [results[i] for i in range(len(requests))]
+        return [outcomes[t] for t in range(len(batch.items))]
 
     def _decide(self, context: Context) -> tuple[Context, Arm]:
         with self._policy_lock:

@@ -236,7 +236,8 @@ class SpeculativeEngine:
             drafter = ModelDrafter(_load(drafter, self.device, self.dtype), tokenizer)
         model = model_drafter_of(drafter)
         if model is not None:
-            model.runner = ModelRunner(model.model, self.cache_kind, self.compiled_cache_len)
+            if model.runner.kind != self.cache_kind or self.cache_kind == "compiled":  # a dynamic one is as good
+                model.runner = ModelRunner(model.model, self.cache_kind, self.compiled_cache_len)
             if not model.runner.verifies:
                 raise IncompatibleDrafterError(
                     f"drafter {name!r} ({type(model.model).__name__}) cannot draft: its steps of several tokens"

@@ -263,6 +263,54 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
         assert ctl._updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
 
 
+def test_requests_whose_prefill_fails_as_they_join_fail_alone_and_the_batch_goes_on(engine, target):
+    """A joiner's prefill that raises (a model error, memory) fails that request in its own
+    caller; the batch it was joining was not touched, and its requests are served (before, every
+    caller of the batch got the error)."""
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=8, batch_wait_ms=200)
+    decoding = threading.Event()
+    results, errors = {}, {}
+
+    def fail_joiners(module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden.shape[0] < 3 and hidden.shape[1] > 1:  # a prefill of fewer rows than the batch's three
+            raise RuntimeError("out of memory")
+
+    def worker(i):
+        try:
+            if i < 3:
+                streamer = FirstRound(decoding) if i == 0 else None
+                results[i] = ctl.generate(PROMPTS[i], "code", max_new_tokens=60, streamer=streamer)
+            else:
+                decoding.wait(10)
+                results[i] = ctl.generate(PROMPTS[i], "chat", max_new_tokens=5)
+        except Exception as exc:
+            errors[i] = exc
+
+    queue = ctl._coalescer
+    with queue._cv:  # the engine is busy while the long ones arrive: they wait, then form one batch
+        queue._busy = True
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(5)]
+    for t in threads[:3]:
+        t.start()
+    while len(queue._queue) < 3:
+        time.sleep(0.001)
+    hook = target.model.layers[0].register_forward_pre_hook(fail_joiners, with_kwargs=True)
+    try:
+        with queue._cv:
+            queue._busy = False
+            queue._cv.notify_all()
+        for t in threads[3:]:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        hook.remove()
+    ctl.close()
+    assert sorted(errors) == [3, 4] and all("out of memory" in str(e) for e in errors.values())
+    assert [results[i].tokens for i in range(3)] == [hf_greedy(target, PROMPTS[i], 60) for i in range(3)]
+
+
 @pytest.mark.parametrize("batches", [True, False])
 def test_a_request_decoding_alone_pauses_for_one_that_arrives_and_both_finish_in_a_batch(
         engine, target, draft_model, tmp_path, batches):
