@@ -216,6 +216,26 @@ class FirstRound:
         self.ends += 1
 
 
+def three_then_the_rest(ctl: AutotuneController, worker, count: int) -> None:
+    """Run `worker(i)` for i < count on threads: 0-2 arrive while the engine is busy, so they form
+    one batch once it is free; the rest start then (their workers wait until it decodes)."""
+    queue = ctl._coalescer
+    with queue._cv:
+        queue._busy = True
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in threads[:3]:
+        t.start()
+    while len(queue._queue) < 3:
+        time.sleep(0.001)
+    with queue._cv:
+        queue._busy = False
+        queue._cv.notify_all()
+    for t in threads[3:]:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 @pytest.mark.parametrize("continuous", [True, False])
 def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, target, tmp_path, continuous):
     """Continuous batching: short requests sent while a batch of long ones decodes join it and
@@ -237,21 +257,7 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
                                           seed=i)
             finished[i] = time.perf_counter()
 
-        queue = ctl._coalescer
-        with queue._cv:  # the engine is busy while the long ones arrive: they wait, then form one batch
-            queue._busy = True
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-        for t in threads[:3]:
-            t.start()
-        while len(queue._queue) < 3:
-            time.sleep(0.001)
-        with queue._cv:
-            queue._busy = False
-            queue._cv.notify_all()
-        for t in threads[3:]:
-            t.start()
-        for t in threads:
-            t.join()
+        three_then_the_rest(ctl, worker, 6)
         ctl.close()
         for i, r in results.items():
             assert len(r.tokens) == (200 if i < 3 else 3 + i) and r.request_class == ("code" if i < 3 else "chat")
@@ -287,23 +293,9 @@ def test_requests_whose_prefill_fails_as_they_join_fail_alone_and_the_batch_goes
         except Exception as exc:
             errors[i] = exc
 
-    queue = ctl._coalescer
-    with queue._cv:  # the engine is busy while the long ones arrive: they wait, then form one batch
-        queue._busy = True
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(5)]
-    for t in threads[:3]:
-        t.start()
-    while len(queue._queue) < 3:
-        time.sleep(0.001)
     hook = target.model.layers[0].register_forward_pre_hook(fail_joiners, with_kwargs=True)
     try:
-        with queue._cv:
-            queue._busy = False
-            queue._cv.notify_all()
-        for t in threads[3:]:
-            t.start()
-        for t in threads:
-            t.join()
+        three_then_the_rest(ctl, worker, 5)
     finally:
         hook.remove()
     ctl.close()
