@@ -222,7 +222,7 @@ class AutotuneController:
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             _check_label(request_class)
-            sampling = SamplingParams(temperature, top_p, seed, tuple(stop_token_ids), stop)
+            sampling = SamplingParams(temperature, top_p, seed, stop_token_ids, stop)
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
@@ -277,7 +277,7 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             count = len(prompts)
-            sampling = [SamplingParams(temperature, top_p, seed, tuple(stop_token_ids), stop) for seed in seeds]
+            sampling = [SamplingParams(temperature, top_p, seed, stop_token_ids, stop) for seed in seeds]
             return self._serve(prompts, [request_class] * count, [max_new_tokens] * count, sampling, ends,
                                [arrived] * count)
         finally:
