@@ -381,14 +381,29 @@ class AutotuneController:
         outcomes: dict[int, ControlledResult | Exception] = {}  # per item of `batch`
         with self._engine_lock, self.gpu.measure() as gpu:
 
-            def take(items: list, rest: BatchRequest | None = None, began: float | None = None) -> None:
+            def take(start: int, items: list, rest: BatchRequest | None = None, began: float | None = None) -> None:
+                """Prefill `items`, the batch's items from `start` on, into the session."""
                 began = began if began is not None else time.perf_counter()
                 session.add([rest] if rest is not None else
                             [BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
                 for one, cls, was_classified, limit, sp, _, since in items:
                     requests.append((cls, was_classified, request_features(one, limit, sp.temperature, sp.top_p),
                                      sp, since, began))
-                tickets.extend(range(len(batch.items) - len(items), len(batch.items)))
+                tickets.extend(range(start, start + len(items)))
+
+            def take_apart(start: int, items: list, exc: Exception) -> None:
+                """`take(start, items)` raised `exc` (memory, a model error): each of several is
+                taken alone, and one that fails alone gets its error in its own caller while the
+                batch goes on."""
+                if len(items) == 1:
+                    outcomes[start] = exc
+                    batch.deliver(start, exc)
+                    return
+                for t, item in enumerate(items, start):
+                    try:
+                        take(t, [item])
+                    except Exception as alone:
+                        take_apart(t, [item], alone)
 
             first = batch.items
             started = time.perf_counter()
@@ -399,17 +414,21 @@ class AutotuneController:
             if resumed is not None and not self._fits(arm, first[0]):
                 arm = OFF  # the paused request goes on in this batch, and OFF takes any request
             session = self.engine.open_batch(arm)
-            take(first, *resumed or ())  # refused (InvalidRequestError) before any decoding: see _serve_coalesced
+            try:
+                take(0, first, *resumed or ())
+            except InvalidRequestError:  # refused before any decoding: see _serve_coalesced
+                raise
+            except Exception as exc:
+                take_apart(0, first, exc)
             segment = self._segment(context, session, time.perf_counter() - started)
             while True:
                 room = self._coalescer.max_batch - session.live_rows
                 if room > 0 and (joining := batch.join(room, functools.partial(self._fits, session.arm))):
+                    start = len(batch.items) - len(joining)
                     try:
-                        take(joining)
-                    except Exception as exc:  # their prefill failed (a model error, memory): the batch goes on
-                        for t in range(len(batch.items) - len(joining), len(batch.items)):
-                            outcomes[t] = exc
-                            batch.deliver(t, exc)
+                        take(start, joining)
+                    except Exception as exc:
+                        take_apart(start, joining, exc)
                 for i, result in session.finished():
                     cls, labelled, feats, sp, since, began = requests[i]
                     with self._policy_lock:

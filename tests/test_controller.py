@@ -269,17 +269,19 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
         assert ctl._updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
 
 
-def test_requests_whose_prefill_fails_as_they_join_fail_alone_and_the_batch_goes_on(engine, target):
-    """A joiner's prefill that raises (a model error, memory) fails that request in its own
-    caller; the batch it was joining was not touched, and its requests are served (before, every
-    caller of the batch got the error)."""
+def test_requests_whose_prefill_fails_are_taken_apart_and_only_those_that_fail_alone_fail(engine, target):
+    """A prefill of several requests that raises (memory, a model error), the batch's first or
+    joiners', is retried one request at a time: a request whose prefill fails alone too fails in
+    its own caller, and the others are served in the batch (before, every caller of the batch,
+    or of the joining group, got the error)."""
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=8, batch_wait_ms=200)
     decoding = threading.Event()
     results, errors = {}, {}
+    failing = [PROMPTS[1], PROMPTS[3]]
 
-    def fail_joiners(module, args, kwargs):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if hidden.shape[0] < 3 and hidden.shape[1] > 1:  # a prefill of fewer rows than the batch's three
+    def fail_prefills(module, args):
+        ids = args[0]
+        if ids.shape[1] > 1 and (ids.shape[0] > 1 or ids[0].tolist() in failing):
             raise RuntimeError("out of memory")
 
     def worker(i):
@@ -293,14 +295,16 @@ def test_requests_whose_prefill_fails_as_they_join_fail_alone_and_the_batch_goes
         except Exception as exc:
             errors[i] = exc
 
-    hook = target.model.layers[0].register_forward_pre_hook(fail_joiners, with_kwargs=True)
+    hook = target.model.embed_tokens.register_forward_pre_hook(fail_prefills)
     try:
         three_then_the_rest(ctl, worker, 5)
     finally:
         hook.remove()
     ctl.close()
-    assert sorted(errors) == [3, 4] and all("out of memory" in str(e) for e in errors.values())
-    assert [results[i].tokens for i in range(3)] == [hf_greedy(target, PROMPTS[i], 60) for i in range(3)]
+    assert sorted(errors) == [1, 3] and all("out of memory" in str(e) for e in errors.values())
+    assert sorted(results) == [0, 2, 4] and results[0].load > 1
+    for i, r in results.items():
+        assert r.tokens == hf_greedy(target, PROMPTS[i], 60 if i < 3 else 5)
 
 
 @pytest.mark.parametrize("batches", [True, False])
