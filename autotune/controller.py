@@ -208,6 +208,8 @@ class AutotuneController:
         streamer: Streamer | None = None,
         stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> ControlledResult:
         """Serve one request on the arm the policy picks for its class; learn from it.
 
@@ -216,13 +218,14 @@ class AutotuneController:
         output is the one it gets alone either way. `streamer` (transformers' `TextStreamer`,
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
         request is done or fails. `stop` strings and `stop_token_ids` end the output as the model's
-        EOS does (vLLM's names; see engine/stopping.py).
+        EOS does (vLLM's names; see engine/stopping.py); `top_k` and `min_p` filter what is
+        sampled as generate() does (see SamplingParams).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             _check_label(request_class)
-            sampling = SamplingParams(temperature, top_p, seed, stop_token_ids, stop)
+            sampling = SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p)
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
@@ -257,6 +260,8 @@ class AutotuneController:
         streamers: list[Streamer | None] | None = None,
         stop: str | Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> list[ControlledResult]:
         """Serve requests of one class together, one forward pass per round, on one arm.
 
@@ -277,7 +282,7 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             count = len(prompts)
-            sampling = [SamplingParams(temperature, top_p, seed, stop_token_ids, stop) for seed in seeds]
+            sampling = [SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p) for seed in seeds]
             return self._serve(prompts, [request_class] * count, [max_new_tokens] * count, sampling, ends,
                                [arrived] * count)
         finally:

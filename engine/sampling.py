@@ -18,22 +18,32 @@ from engine.errors import InvalidRequestError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; seed makes a sampled request reproducible. Besides the model's
-    EOS, the output ends at the first of `stop_token_ids`, as generate() with them added to
-    `eos_token_id`, or at the token whose text completes one of the `stop` strings (vLLM's names;
-    the ending token is kept, see engine/stopping.py)."""
+    """temperature 0 means greedy; seed makes a sampled request reproducible. A sampled token is
+    drawn as generate() draws it: at `temperature`, from the `top_k` likeliest tokens (0 or -1:
+    all), then the smallest set holding `top_p` of their mass, then those at least `min_p` times
+    as likely as the likeliest. Besides the model's EOS, the output ends at the first of
+    `stop_token_ids`, as generate() with them added to `eos_token_id`, or at the token whose text
+    completes one of the `stop` strings (vLLM's names; the ending token is kept, see
+    engine/stopping.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be an int >= 0 (0 or -1: every token), got {self.top_k}")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+        if not (0 <= self.min_p <= 1):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         stops = tuple(self.stop_token_ids)
         if not all(isinstance(t, int) and t >= 0 for t in stops):
             raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")
@@ -49,14 +59,22 @@ class SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Turn logits [..., V] into the distribution the request samples from (temperature, top-p)."""
+    """Turn logits [..., V] into the distribution the request samples from: temperature, top-k,
+    top-p and min-p, in transformers' order."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if 0 < params.top_k < probs.shape[-1]:
+        kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)  # ties with the k-th token stay, as in transformers
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

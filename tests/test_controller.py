@@ -41,7 +41,9 @@ def test_serves_learns_and_records_every_request(engine, target, tmp_path):
     url = f"sqlite:///{tmp_path / 'c.db'}"
     arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
     with Store(url) as store, AutotuneController(engine, store, policy="thompson", arms=arms) as ctl:
-        results = [ctl.generate(p, request_class="code" if i % 2 else "docs", max_new_tokens=12)
+        # every third sampled from its top token only: still the target's greedy output
+        results = [ctl.generate(p, request_class="code" if i % 2 else "docs", max_new_tokens=12,
+                                **({"temperature": 1.0, "top_k": 1, "seed": i} if i % 3 == 0 else {}))
                    for i, p in enumerate(PROMPTS)]
         ctl.close()
         assert store.count() == len(PROMPTS)
@@ -59,7 +61,10 @@ def test_a_batch_is_served_learned_and_recorded_under_its_load(engine, target, t
     arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
     with Store(url) as store, AutotuneController(engine, store, policy="ucb", arms=arms,
                                                  min_baseline_steps=8) as ctl:
-        batches = [ctl.generate_batch(PROMPTS[i:i + 6], "code", max_new_tokens=10) for i in (0, 6, 0, 6)]
+        # the last sampled from the tokens as likely as the top one: still greedy
+        batches = [ctl.generate_batch(PROMPTS[i:i + 6], "code", max_new_tokens=10,
+                                      **({"temperature": 1.0, "min_p": 1.0} if n == 3 else {}))
+                   for n, i in enumerate((0, 6, 0, 6))]
         alone = ctl.generate(PROMPTS[0], "code", max_new_tokens=10)
         ctl.close()
         rows = store.observations()

@@ -6,15 +6,18 @@ round with K=2 (accept, reject-and-resample and bonus paths all occur). The join
 A deliberately biased sampler (accept every draft) must fail the same test.
 """
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 from conftest import tiny_llama, tiny_qwen3_next
 from scipy.stats import chisquare
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import engine.engine as engine_module
 from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.sampling import probabilities
 
 VOCAB = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -27,9 +30,22 @@ def models():
     return tiny_llama(10, layers=1, vocab=VOCAB, hidden=32), tiny_llama(11, layers=1, vocab=VOCAB, hidden=32)
 
 
-def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
-    from engine.sampling import probabilities
+@pytest.mark.parametrize("params", [SamplingParams(0.7, top_p=0.8), SamplingParams(1.3, top_k=7),
+                                    SamplingParams(1.0, min_p=0.3), SamplingParams(0.9, 0.9, top_k=12, min_p=0.05)])
+def test_the_distribution_sampled_is_the_one_generate_samples(params):
+    """Temperature, top-k, top-p and min-p as transformers' warpers apply them, in their order."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    scores = logits.clone()
+    warpers = [TemperatureLogitsWarper(params.temperature), TopKLogitsWarper(params.top_k or 50),
+               TopPLogitsWarper(params.top_p), MinPLogitsWarper(params.min_p or 1e-9)]
+    for warp in warpers:
+        scores = warp(None, scores)
+    expected = torch.softmax(scores, -1)
+    assert torch.allclose(probabilities(logits, params), expected, atol=1e-6)
+    assert ((expected == 0).sum(-1) > 0).all()  # each case cuts tokens
 
+
+def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
     with torch.no_grad():
         p1 = probabilities(target(torch.tensor([PROMPT])).logits[0, -1], params)
         prefixes = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
@@ -45,10 +61,10 @@ def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
 def p_value(engine, arm, params, expected, samples=SAMPLES):
     counts = torch.zeros(VOCAB * VOCAB)
     for seed in range(samples):
-        params_s = SamplingParams(params.temperature, params.top_p, seed=seed)
+        params_s = dataclasses.replace(params, seed=seed)
         tokens = engine.generate(PROMPT, arm, max_new_tokens=4, sampling=params_s).tokens
         counts[tokens[1] * VOCAB + tokens[2]] += 1
-    impossible = expected == 0  # cut by top-p: must never be sampled
+    impossible = expected == 0  # cut by top-k, top-p or min-p: must never be sampled
     if counts[impossible].sum() > 0:
         return 0.0
     expected = expected * samples
@@ -64,7 +80,8 @@ def p_value(engine, arm, params, expected, samples=SAMPLES):
 @pytest.mark.parametrize(
     ("arm", "params"),
     [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9)),
-     ("hybrid:2", SamplingParams(1.0))],  # PROMPT repeats "1 2": the first round is lookup's, later ones the model's
+     ("hybrid:2", SamplingParams(1.0)),  # PROMPT repeats "1 2": the first round is lookup's, later ones the model's
+     ("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
     target, drafter = models
