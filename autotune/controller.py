@@ -210,6 +210,7 @@ class AutotuneController:
         stop_token_ids: Sequence[int] = (),
         top_k: int = 0,
         min_p: float = 0.0,
+        include_stop_str_in_output: bool = False,
     ) -> ControlledResult:
         """Serve one request on the arm the policy picks for its class; learn from it.
 
@@ -218,14 +219,16 @@ class AutotuneController:
         output is the one it gets alone either way. `streamer` (transformers' `TextStreamer`,
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
         request is done or fails. `stop` strings and `stop_token_ids` end the output as the model's
-        EOS does (vLLM's names; see engine/stopping.py); `top_k` and `min_p` filter what is
+        EOS does (vLLM's names and defaults: the text ends before a stop string unless
+        `include_stop_str_in_output`; see engine/stopping.py); `top_k` and `min_p` filter what is
         sampled as generate() does (see SamplingParams).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             _check_label(request_class)
-            sampling = SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p)
+            sampling = SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p,
+                                      include_stop_str_in_output)
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
@@ -262,6 +265,7 @@ class AutotuneController:
         stop_token_ids: Sequence[int] = (),
         top_k: int = 0,
         min_p: float = 0.0,
+        include_stop_str_in_output: bool = False,
     ) -> list[ControlledResult]:
         """Serve requests of one class together, one forward pass per round, on one arm.
 
@@ -282,7 +286,8 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             count = len(prompts)
-            sampling = [SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p) for seed in seeds]
+            sampling = [SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p,
+                                      include_stop_str_in_output) for seed in seeds]
             return self._serve(prompts, [request_class] * count, [max_new_tokens] * count, sampling, ends,
                                [arrived] * count)
         finally:

@@ -488,7 +488,7 @@ class SpeculativeEngine:
         m.new_tokens = len(result.tokens)
         m.total_s = self._sync() - start - m.stream_s
         if self.tokenizer is not None:
-            result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+            result.text = stopping.text(self.tokenizer.decode(result.tokens, skip_special_tokens=True))
         if paused:
             result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator)
         return result
@@ -557,7 +557,8 @@ class SpeculativeEngine:
                    self._stopping(sampling, output_start), request.streamer, resumes=request.resumes)
 
     def _stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
-        return Stopping(self.eos_token_id.union(sampling.stop_token_ids), sampling.stop, self.tokenizer, output_start)
+        return Stopping(self.eos_token_id.union(sampling.stop_token_ids), sampling.stop, self.tokenizer, output_start,
+                        sampling.include_stop_str_in_output)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:
@@ -685,7 +686,7 @@ class BatchSession:
                 m.trim_positions()
                 fell_back, error = fell_back or head.fell_back, error or head.fallback_error
             tokenizer = self.engine.tokenizer
-            text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+            text = None if tokenizer is None else row.stopping.text(tokenizer.decode(tokens, skip_special_tokens=True))
             result = GenerationResult(tokens, self.arm, m, text, fell_back, error)
             ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
             result.stream_error = row.stream_error or ended

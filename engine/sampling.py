@@ -23,8 +23,8 @@ class SamplingParams:
     all), then the smallest set holding `top_p` of their mass, then those at least `min_p` times
     as likely as the likeliest. Besides the model's EOS, the output ends at the first of
     `stop_token_ids`, as generate() with them added to `eos_token_id`, or at the token whose text
-    completes one of the `stop` strings (vLLM's names; the ending token is kept, see
-    engine/stopping.py)."""
+    completes one of the `stop` strings (vLLM's names and defaults: the ending token is kept, the
+    text ends before the stop string unless `include_stop_str_in_output`; see engine/stopping.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -33,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     top_k: int = 0
     min_p: float = 0.0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

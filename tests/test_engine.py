@@ -147,7 +147,8 @@ def test_a_request_stops_at_its_own_stop_token_ids_inside_an_accepted_draft(targ
 def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
     """vLLM's `stop`: the output ends at the token whose text completes a stop string (kept), also
     inside an accepted draft, alone and in a batch; the engine looks only at the last tokens'
-    text, the expected end is found on the whole text."""
+    text, the expected end is found on the whole text. The text ends before the stop string
+    unless `include_stop_str_in_output`, as vLLM's does."""
     from transformers import AutoTokenizer
 
     from autotune.zoo import DEFAULT_FAMILY_DIR
@@ -168,14 +169,17 @@ def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
 
     expected = [cut(f) for f in free]
     assert expected[0] != free[0] and len(expected[0]) <= 12
-    stopping = SamplingParams(stop=stop)
-    for arm in ("off", "self:8", "ngram:4"):
+    whole = tokenizer.decode(expected[0], skip_special_tokens=True)
+    texts = [whole[:whole.index(stop)], whole]  # without the stop string, then with it
+    for keep, arm in [(False, "off"), (False, "self:8"), (True, "ngram:4")]:
+        stopping = SamplingParams(stop=["never in this text", stop], include_stop_str_in_output=keep)
         results = [engine.generate(p, arm, 30, stopping) for p in batch]
         assert [r.tokens for r in results] == expected, arm
-        assert stop in results[0].text
-        assert [r.tokens for r in engine.generate_batch(batch, arm, 30, [stopping] * 3)] == expected, arm
+        assert results[0].text == texts[keep], arm
+        together = engine.generate_batch(batch, arm, 30, [stopping] * 3).results
+        assert [r.tokens for r in together] == expected and together[0].text == texts[keep], arm
     with pytest.raises(InvalidRequestError, match="stop strings need the engine's tokenizer"):
-        SpeculativeEngine(target).generate(batch[0], "off", 5, stopping)
+        SpeculativeEngine(target).generate(batch[0], "off", 5, SamplingParams(stop=stop))
 
 
 def test_k_may_change_between_rounds(engine, target):

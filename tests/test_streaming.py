@@ -109,15 +109,22 @@ def test_transformers_text_iterator_streamer_yields_the_requests_text(family):
 
 
 def test_a_stop_string_ends_the_output_and_its_stream_at_the_token_that_completes_it(family):
+    """The stream, token-level as transformers' streamers are, holds the stop string; the result's
+    text ends before it unless include_stop_str_in_output."""
     ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
     prompt = "def parse_args(argv):\n"
     free = ctl.generate(prompt, request_class="code", max_new_tokens=48)
     stop = free.text[len(free.text) // 2:][:3]
-    streamer = TextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = ctl.generate(prompt, request_class="code", max_new_tokens=48, streamer=streamer, stop=[stop])
-    assert result.tokens == free.tokens[:len(result.tokens)] and len(result.tokens) < len(free.tokens)
-    assert stop in result.text and stop not in family.tokenizer.decode(result.tokens[:-1], skip_special_tokens=True)
-    assert "".join(streamer) == result.text
+    results, streamed = [], []
+    for keep in (False, True):
+        streamer = TextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        results.append(ctl.generate(prompt, request_class="code", max_new_tokens=48, streamer=streamer, stop=[stop],
+                                    include_stop_str_in_output=keep))
+        streamed.append("".join(streamer))
+    result, kept = results
+    assert result.tokens == kept.tokens == free.tokens[:len(result.tokens)] and len(result.tokens) < len(free.tokens)
+    assert stop in kept.text and stop not in family.tokenizer.decode(result.tokens[:-1], skip_special_tokens=True)
+    assert result.text == kept.text[:kept.text.index(stop)] and streamed == [kept.text] * 2
 
 
 def test_requests_awaited_together_are_coalesced_and_each_gets_its_own_output(engine, target):
