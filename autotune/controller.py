@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,6 +83,14 @@ class ControlledResult:
     # From the call until the engine began on it: waiting for a batch to form, for the engine, and
     # the decision (also in decision_s). metrics.total_s is the engine's time alone.
     queue_s: float = 0.0
+
+
+def _sampling(temperature: float, top_p: float, seed: int | None, options: dict) -> SamplingParams:
+    """A call's SamplingParams; an option it does not know is refused by name."""
+    known = {f.name for f in dataclasses.fields(SamplingParams)} - {"temperature", "top_p", "seed"}
+    if unknown := sorted(set(options) - known):
+        raise InvalidRequestError(f"unknown sampling option(s) {unknown}; the others it takes: {sorted(known)}")
+    return SamplingParams(temperature, top_p, seed, **options)
 
 
 def _check_label(request_class: str | None) -> None:
@@ -206,11 +213,7 @@ class AutotuneController:
         top_p: float = 1.0,
         seed: int | None = None,
         streamer: Streamer | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        top_k: int = 0,
-        min_p: float = 0.0,
-        include_stop_str_in_output: bool = False,
+        **sampling_options,
     ) -> ControlledResult:
         """Serve one request on the arm the policy picks for its class; learn from it.
 
@@ -218,17 +221,15 @@ class AutotuneController:
         wait at the same moment (of any class, or of its own with `mix_classes=False`); its
         output is the one it gets alone either way. `streamer` (transformers' `TextStreamer`,
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
-        request is done or fails. `stop` strings and `stop_token_ids` end the output as the model's
-        EOS does (vLLM's names and defaults: the text ends before a stop string unless
-        `include_stop_str_in_output`; see engine/stopping.py); `top_k` and `min_p` filter what is
-        sampled as generate() does (see SamplingParams).
+        request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
+        vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
+        `ignore_eos`, `min_tokens`).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             _check_label(request_class)
-            sampling = SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p,
-                                      include_stop_str_in_output)
+            sampling = _sampling(temperature, top_p, seed, sampling_options)
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
@@ -261,11 +262,7 @@ class AutotuneController:
         top_p: float = 1.0,
         seeds: list[int | None] | None = None,
         streamers: list[Streamer | None] | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        top_k: int = 0,
-        min_p: float = 0.0,
-        include_stop_str_in_output: bool = False,
+        **sampling_options,
     ) -> list[ControlledResult]:
         """Serve requests of one class together, one forward pass per round, on one arm.
 
@@ -273,7 +270,7 @@ class AutotuneController:
         since extra verify tokens cost more in a large batch. K stays constant inside a batch (a
         policy's K schedule applies to single requests only). Every result carries the batch's
         goodput and reward, which is what the policy learned from. `streamers`: one per prompt
-        (or None), as in `generate`.
+        (or None), and `sampling_options`, as in `generate`.
         """
         arrived = time.perf_counter()
         ends = [EndsOnce(s) if s is not None else None for s in streamers or []]
@@ -286,8 +283,7 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             count = len(prompts)
-            sampling = [SamplingParams(temperature, top_p, seed, stop_token_ids, stop, top_k, min_p,
-                                      include_stop_str_in_output) for seed in seeds]
+            sampling = [_sampling(temperature, top_p, seed, sampling_options) for seed in seeds]
             return self._serve(prompts, [request_class] * count, [max_new_tokens] * count, sampling, ends,
                                [arrived] * count)
         finally:

@@ -294,7 +294,7 @@ class BatchRun:
         logits = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
         for b, r in enumerate(rows):
             if r.resumes is None:
-                r.tokens.append(_pick(logits[b], r.sampling, r.generator))
+                r.tokens.append(_pick(r.stopping.hold(logits[b:b + 1], len(r.tokens))[0], r.sampling, r.generator))
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
@@ -378,6 +378,7 @@ class BatchRun:
             ids, logits = self._verify(active, drafts)
         prevs = [len(r.tokens) for r in active]
         for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
+            r.stopping.hold(logits[b], len(r.tokens))
             if r.sampling.greedy:
                 n, nxt = verify_greedy(logits[b, : len(d) + 1], d)
             else:

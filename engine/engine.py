@@ -406,7 +406,7 @@ class SpeculativeEngine:
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
-        tokens.append(self._pick(logits[-1], sampling, generator))
+        tokens.append(self._pick(stopping.hold(logits[-1:], len(tokens))[0], sampling, generator))
         if drafter is not None:
             target_done = self._sync()
             drafter.begin(ids, max_length)
@@ -451,6 +451,7 @@ class SpeculativeEngine:
                 self.runner.truncate(len(tokens) - 1)
                 step = step[:, :1]
                 logits = self.runner.step(step, len(tokens) - 1, keep=1)
+            stopping.hold(logits, len(tokens))
             if sampling.greedy:
                 n, nxt = verify_greedy(logits, draft)
             else:
@@ -557,8 +558,9 @@ class SpeculativeEngine:
                    self._stopping(sampling, output_start), request.streamer, resumes=request.resumes)
 
     def _stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
-        return Stopping(self.eos_token_id.union(sampling.stop_token_ids), sampling.stop, self.tokenizer, output_start,
-                        sampling.include_stop_str_in_output)
+        eos = set() if sampling.ignore_eos else self.eos_token_id
+        return Stopping(eos.union(sampling.stop_token_ids), sampling.stop, self.tokenizer, output_start,
+                        sampling.include_stop_str_in_output, sampling.min_tokens)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:

@@ -24,7 +24,9 @@ class SamplingParams:
     as likely as the likeliest. Besides the model's EOS, the output ends at the first of
     `stop_token_ids`, as generate() with them added to `eos_token_id`, or at the token whose text
     completes one of the `stop` strings (vLLM's names and defaults: the ending token is kept, the
-    text ends before the stop string unless `include_stop_str_in_output`; see engine/stopping.py)."""
+    text ends before the stop string unless `include_stop_str_in_output`; see engine/stopping.py).
+    `ignore_eos` leaves the model's EOS out of that; before `min_tokens` output tokens nothing
+    ends the output (transformers' min_new_tokens: the target cannot pick a stop token there)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,6 +36,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -45,6 +49,8 @@ class SamplingParams:
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         if not (0 <= self.min_p <= 1):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens}")
         stops = tuple(self.stop_token_ids)
         if not all(isinstance(t, int) and t >= 0 for t in stops):
             raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")

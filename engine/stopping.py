@@ -11,6 +11,8 @@ the longest string, so a check costs the same at any output length.
 
 from __future__ import annotations
 
+import torch
+
 from engine.errors import InvalidRequestError
 
 SLACK_TOKENS = 4  # decoded beyond one token per character of the longest stop string
@@ -18,16 +20,30 @@ SLACK_TOKENS = 4  # decoded beyond one token per character of the longest stop s
 
 class Stopping:
     """The end test of one request: `stop_ids` (EOS and stop_token_ids) and `strings`, whose text
-    counts from `output_start` (the prompt's length) on; `keep_strings`: whether the output's
-    text keeps the stop string that ended it."""
+    counts from `output_start` (the prompt's length) on, none of them before `min_tokens` output
+    tokens; `keep_strings`: whether the output's text keeps the stop string that ended it."""
 
     def __init__(self, stop_ids: set[int], strings: tuple[str, ...], tokenizer, output_start: int,
-                 keep_strings: bool = False) -> None:
+                 keep_strings: bool = False, min_tokens: int = 0) -> None:
         if strings and tokenizer is None:
             raise InvalidRequestError("stop strings need the engine's tokenizer: pass stop_token_ids instead")
         self.stop_ids, self.strings, self.tokenizer = stop_ids, strings, tokenizer
-        self.output_start, self.keep_strings = output_start, keep_strings
+        self.output_start, self.keep_strings, self.min_tokens = output_start, keep_strings, min_tokens
         self.window = max(map(len, strings), default=0) + SLACK_TOKENS
+        self._held_ids: torch.Tensor | None = None
+
+    def hold(self, logits: torch.Tensor, index: int) -> torch.Tensor:
+        """`logits` [n, V] of the tokens at `index`, `index` + 1, ...: where the output would
+        still be shorter than `min_tokens`, the stop ids made impossible (in place), as
+        transformers' MinNewTokensLengthLogitsProcessor does, so a verify keeps exactly what
+        one-token decoding would pick."""
+        held = self.output_start + self.min_tokens - index
+        if held > 0 and self.stop_ids:
+            if self._held_ids is None:
+                self._held_ids = torch.tensor(sorted(t for t in self.stop_ids if t < logits.shape[-1]),
+                                              dtype=torch.long, device=logits.device)
+            logits[:held].index_fill_(-1, self._held_ids, float("-inf"))
+        return logits
 
     def text(self, text: str) -> str:
         """The output's text as its caller gets it: up to the first stop string it holds."""
@@ -36,7 +52,7 @@ class Stopping:
 
     def end(self, tokens: list[int], start: int) -> int | None:
         """The index of the first token from `start` on that ends the output, or None."""
-        for j in range(max(start, self.output_start), len(tokens)):
+        for j in range(max(start, self.output_start + self.min_tokens), len(tokens)):
             if tokens[j] in self.stop_ids or (self.strings and self._completes_a_string(tokens, j)):
                 return j
         return None

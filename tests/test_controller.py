@@ -10,7 +10,7 @@ from conftest import tiny_qwen3_next
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch
 from autotune.controller import AutotuneController
-from engine import MAX_K, OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import MAX_K, OFF, Arm, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, PolicyError
 from store import Store
 
@@ -390,6 +390,14 @@ def test_policy_arms_the_engine_lacks_are_refused(engine):
         ctl.generate([1, 2, 3], request_class="x")
     with pytest.raises(PolicyError, match="unknown policy 'greedy'"):
         AutotuneController(engine, policy="greedy")
+
+
+def test_an_unknown_sampling_option_is_refused_by_name(engine):
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF)
+    with pytest.raises(InvalidRequestError, match=r"unknown sampling option\(s\) \['top_q'\]"):
+        ctl.generate([1, 2, 3], "x", top_q=0.5)
+    with pytest.raises(InvalidRequestError, match=r"\['repetition_penalty'\]; the others it takes: .*'top_k'"):
+        ctl.generate_batch([[1, 2, 3]] * 2, "x", repetition_penalty=1.1)
 
 
 def test_the_reward_compares_a_request_with_off_on_the_same_request(engine):

@@ -37,11 +37,11 @@ class FailingDrafter(ModelDrafter):
         return super().propose(tokens, k, params, generator)
 
 
-def hf_greedy(model, prompt, max_new_tokens, eos=None):
+def hf_greedy(model, prompt, max_new_tokens, eos=None, **options):
     ids = torch.tensor([prompt])
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-        eos_token_id=eos, pad_token_id=0,
+        eos_token_id=eos, pad_token_id=0, **options,
     )
     return out[0, len(prompt):].tolist()
 
@@ -144,6 +144,28 @@ def test_a_request_stops_at_its_own_stop_token_ids_inside_an_accepted_draft(targ
         SamplingParams(stop_token_ids=[-1])
 
 
+def test_min_tokens_holds_the_end_back_and_ignore_eos_drops_it_as_generate_does(target):
+    """vLLM's `min_tokens` (transformers' min_new_tokens): before that many output tokens the
+    target cannot pick the EOS or a stop token, also at a verify's later positions, alone and in a
+    batch; `ignore_eos`: the model's EOS ends nothing."""
+    batch = prompts(3, seed=3)
+    free = [hf_greedy(target, p, 30) for p in batch]
+    eos = free[0][2]  # the target's 3rd token for the first prompt
+    held = [hf_greedy(target, p, 30, eos=eos, min_new_tokens=8) for p in batch]
+    assert held[0][2] != eos and eos in held[0][8:]  # held back, then it ends the output
+    target.generation_config.eos_token_id = eos
+    try:
+        engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+        cases = [(SamplingParams(min_tokens=8), held), (SamplingParams(ignore_eos=True), free),
+                 (SamplingParams(ignore_eos=True, stop_token_ids=[eos], min_tokens=8), held)]
+        for sampling, expected in cases:
+            for arm in ("off", "self:8", "ngram:4"):
+                assert [engine.generate(p, arm, 30, sampling).tokens for p in batch] == expected, (sampling, arm)
+                assert [r.tokens for r in engine.generate_batch(batch, arm, 30, [sampling] * 3)] == expected, arm
+    finally:
+        target.generation_config.eos_token_id = None
+
+
 def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
     """vLLM's `stop`: the output ends at the token whose text completes a stop string (kept), also
     inside an accepted draft, alone and in a batch; the engine looks only at the last tokens'
@@ -161,11 +183,11 @@ def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
     text = tokenizer.decode(free[0][:12], skip_special_tokens=True)
     stop = text[-3:]  # completed by the first request's 12th token at the latest
 
-    def cut(tokens):
-        for j in range(len(tokens)):
-            if stop in tokenizer.decode(tokens[:j + 1], skip_special_tokens=True):
-                return tokens[:j + 1]
-        return tokens
+    def cut(tokens, first=0):  # at the first token from `first` on whose text completes the stop string
+        def count(n):
+            return tokenizer.decode(tokens[:n], skip_special_tokens=True).count(stop)
+
+        return next((tokens[:j + 1] for j in range(first, len(tokens)) if count(j + 1) > count(j)), tokens)
 
     expected = [cut(f) for f in free]
     assert expected[0] != free[0] and len(expected[0]) <= 12
@@ -178,6 +200,8 @@ def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
         assert results[0].text == texts[keep], arm
         together = engine.generate_batch(batch, arm, 30, [stopping] * 3).results
         assert [r.tokens for r in together] == expected and together[0].text == texts[keep], arm
+    later = SamplingParams(stop=stop, min_tokens=len(expected[0]))  # nothing ends the output before
+    assert engine.generate(batch[0], "self:8", 30, later).tokens == cut(free[0], len(expected[0])) != expected[0]
     with pytest.raises(InvalidRequestError, match="stop strings need the engine's tokenizer"):
         SpeculativeEngine(target).generate(batch[0], "off", 5, SamplingParams(stop=stop))
 
@@ -254,6 +278,7 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, top_k=-2)), "top_k must be an int >= 0"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, top_k=2.5)), "top_k must be an int"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, min_p=1.5)), "min_p"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(min_tokens=-1)), "min_tokens"),
         (lambda e: e.generate([1, 999], "off"), "out of vocabulary"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
     ],
