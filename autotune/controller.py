@@ -83,6 +83,7 @@ class ControlledResult:
     # From the call until the engine began on it: waiting for a batch to form, for the engine, and
     # the decision (also in decision_s). metrics.total_s is the engine's time alone.
     queue_s: float = 0.0
+    logprobs: list[dict[int, float]] | None = None  # per output token, when asked for (SamplingParams.logprobs)
 
 
 def _sampling(temperature: float, top_p: float, seed: int | None, options: dict) -> SamplingParams:
@@ -223,7 +224,7 @@ class AutotuneController:
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
         request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
-        `ignore_eos`, `min_tokens`).
+        `ignore_eos`, `min_tokens`, `logprobs`).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
@@ -368,6 +369,7 @@ class AutotuneController:
             out.append(ControlledResult(
                 result.text, result.tokens, cls, arm, result.metrics, goodput, reward, decision_s,
                 learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error, engine_started - since,
+                result.logprobs,
             ))
             if self.store is not None:
                 self._record(out[-1], labelled, feats, sp)
@@ -443,7 +445,7 @@ class AutotuneController:
                     served = outcomes[tickets[i]] = ControlledResult(
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
                         off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
-                        *gpu.so_far(), result.fell_back, result.stream_error, began - since)
+                        *gpu.so_far(), result.fell_back, result.stream_error, began - since, result.logprobs)
                     if self.store is not None:
                         self._record(served, labelled, feats, sp)
                     batch.deliver(tickets[i], served)

@@ -35,7 +35,15 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
-from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
+from engine.sampling import (
+    SamplingParams,
+    log_probabilities,
+    probabilities,
+    sample,
+    token_logprobs,
+    verify_greedy,
+    verify_sampled,
+)
 
 if TYPE_CHECKING:
     from engine.engine import GenerationResult
@@ -181,6 +189,7 @@ class Row:
     stream_error: str | None = None  # its streamer raised: the row leaves the batch
     resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
     seen: int = 0  # tokens the drafter's cache holds for this row
+    logprobs: list[dict[int, float]] | None = None  # per output token since it joined, if asked for
     done: bool = False
     joined_s: float = 0.0  # engine seconds into the batch's run when the row joined it
 
@@ -293,8 +302,12 @@ class BatchRun:
         ids, live = _block([r.tokens[:-1] if r.resumes else r.tokens for r in rows], self.target.device, right=True)
         logits = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
         for b, r in enumerate(rows):
+            logp = log_probabilities(logits[b:b + 1], r.sampling)
+            r.logprobs = None if logp is None else []
             if r.resumes is None:
                 r.tokens.append(_pick(r.stopping.hold(logits[b:b + 1], len(r.tokens))[0], r.sampling, r.generator))
+                if logp is not None:
+                    r.logprobs = token_logprobs(logp, r.tokens[-1:], r.sampling.logprobs)
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
@@ -378,6 +391,7 @@ class BatchRun:
             ids, logits = self._verify(active, drafts)
         prevs = [len(r.tokens) for r in active]
         for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
+            logp = log_probabilities(logits[b, : len(d) + 1], r.sampling)
             r.stopping.hold(logits[b], len(r.tokens))
             if r.sampling.greedy:
                 n, nxt = verify_greedy(logits[b, : len(d) + 1], d)
@@ -389,6 +403,8 @@ class BatchRun:
             prev = len(r.tokens)
             r.tokens.extend(d[:n])
             r.tokens.append(nxt)
+            if logp is not None:
+                r.logprobs += token_logprobs(logp[: n + 1], r.tokens[prev:], r.sampling.logprobs)
             if (end := r.stopping.end(r.tokens, prev)) is not None:
                 del r.tokens[end + 1:]
                 r.done = True

@@ -23,7 +23,15 @@ from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, 
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, probabilities, sample, verify_greedy, verify_sampled
+from engine.sampling import (
+    SamplingParams,
+    log_probabilities,
+    probabilities,
+    sample,
+    token_logprobs,
+    verify_greedy,
+    verify_sampled,
+)
 from engine.schedule import ConstantK, KSchedule
 from engine.stopping import Stopping
 from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
@@ -164,6 +172,7 @@ class GenerationResult:
     fallback_error: str | None = None
     stream_error: str | None = None  # the request's streamer raised: the output stops there
     rest: BatchRequest | None = None  # paused (`generate`'s `pause`): what finishes it in a batch
+    logprobs: list[dict[int, float]] | None = None  # per output token, with SamplingParams.logprobs
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
@@ -406,7 +415,9 @@ class SpeculativeEngine:
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
+        logp = log_probabilities(logits[-1:], sampling)
         tokens.append(self._pick(stopping.hold(logits[-1:], len(tokens))[0], sampling, generator))
+        logprobs = None if logp is None else token_logprobs(logp, tokens[-1:], sampling.logprobs)
         if drafter is not None:
             target_done = self._sync()
             drafter.begin(ids, max_length)
@@ -451,6 +462,7 @@ class SpeculativeEngine:
                 self.runner.truncate(len(tokens) - 1)
                 step = step[:, :1]
                 logits = self.runner.step(step, len(tokens) - 1, keep=1)
+            logp = log_probabilities(logits, sampling)
             stopping.hold(logits, len(tokens))
             if sampling.greedy:
                 n, nxt = verify_greedy(logits, draft)
@@ -460,6 +472,8 @@ class SpeculativeEngine:
             prev = len(tokens)
             tokens.extend(draft[:n])
             tokens.append(nxt)
+            if logp is not None:
+                logprobs += token_logprobs(logp[: n + 1], tokens[prev:], sampling.logprobs)
             self.runner.truncate(len(tokens) - 1)
             if (end := stopping.end(tokens, prev)) is not None:  # an EOS inside an accepted draft ends it there
                 del tokens[end + 1:]
@@ -486,6 +500,7 @@ class SpeculativeEngine:
 
         m.trim_positions()
         result.tokens = tokens[m.prompt_tokens :]
+        result.logprobs = None if logprobs is None else logprobs[: len(result.tokens)]  # a stop cut the tokens
         m.new_tokens = len(result.tokens)
         m.total_s = self._sync() - start - m.stream_s
         if self.tokenizer is not None:
@@ -678,6 +693,7 @@ class BatchSession:
             row, m = self._run.rows[i], self._run.metrics[i]
             m.trim_positions()
             tokens = row.tokens[row.prompt_len:]
+            logprobs = None if row.logprobs is None else row.logprobs[:len(tokens)]  # a stop cut the tokens
             m.new_tokens = len(tokens)
             fell_back, error = self._run.fell_back, self._run.error
             if row.resumes is not None:  # a paused request: its output and metrics so far come first
@@ -687,9 +703,12 @@ class BatchSession:
                 m.prompt_tokens, m.new_tokens = head.metrics.prompt_tokens, len(tokens)
                 m.trim_positions()
                 fell_back, error = fell_back or head.fell_back, error or head.fallback_error
+                if logprobs is not None:
+                    logprobs = head.logprobs + logprobs
             tokenizer = self.engine.tokenizer
             text = None if tokenizer is None else row.stopping.text(tokenizer.decode(tokens, skip_special_tokens=True))
             result = GenerationResult(tokens, self.arm, m, text, fell_back, error)
+            result.logprobs = logprobs
             ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
             result.stream_error = row.stream_error or ended
             self.results[i] = result

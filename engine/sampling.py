@@ -15,6 +15,8 @@ import torch
 
 from engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # alternatives per output token, as vLLM's default limit
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,7 +28,10 @@ class SamplingParams:
     completes one of the `stop` strings (vLLM's names and defaults: the ending token is kept, the
     text ends before the stop string unless `include_stop_str_in_output`; see engine/stopping.py).
     `ignore_eos` leaves the model's EOS out of that; before `min_tokens` output tokens nothing
-    ends the output (transformers' min_new_tokens: the target cannot pick a stop token there)."""
+    ends the output (transformers' min_new_tokens: the target cannot pick a stop token there).
+    `logprobs` N: each output token's log-probability and those of the N likeliest tokens at its
+    position, under the target's raw distribution (vLLM's default), from the forward that
+    verified it (`token_logprobs`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -38,6 +43,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -51,6 +57,8 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         stops = tuple(self.stop_token_ids)
         if not all(isinstance(t, int) and t >= 0 for t in stops):
             raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")
@@ -84,6 +92,24 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def log_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The target's raw log-probabilities [n, V] for a request that asked for logprobs, else None;
+    taken before anything (min_tokens) edits the logits."""
+    return None if params.logprobs is None else torch.log_softmax(logits.float(), dim=-1)
+
+
+def token_logprobs(logp: torch.Tensor, chosen: list[int], top: int) -> list[dict[int, float]]:
+    """Per row of `logp` [n, V] (n = len(chosen)): {token: log-probability} of the chosen token
+    and the `top` likeliest ones."""
+    picked = logp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
+    out = [{token: value} for token, value in zip(chosen, picked)]
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        for entry, row_ids, row_values in zip(out, ids.tolist(), values.tolist()):
+            entry.update(zip(row_ids, row_values))
+    return out
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

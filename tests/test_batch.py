@@ -1,6 +1,7 @@
 """Batched decoding is lossless too: each request's output is the one it gets alone."""
 
 import pytest
+import torch
 from test_engine import AlwaysWrongDrafter, hf_greedy, prompts
 
 from engine import (
@@ -112,9 +113,10 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
     """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
     its random stream goes on), the stream (the prompt once, every token once, ended once) and
-    the counts over both parts are the request's own; the batch's metrics count its own work."""
+    the counts over both parts and its logprobs are the request's own; the batch's metrics count
+    its own work."""
     prompt, other = prompts(2, seed=31)
-    for sampling in (SamplingParams(), SamplingParams(1.0, top_p=0.9, seed=7)):
+    for sampling in (SamplingParams(logprobs=1), SamplingParams(1.0, top_p=0.9, seed=7, logprobs=1)):
         alone = engine.generate(prompt, arm, 24, sampling)
         asked, streamer = [0], Recorder()
 
@@ -131,6 +133,9 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
             session.step()
         out = session.close()
         assert out[1].tokens == alone.tokens, (arm, sampling)
+        assert [list(e) for e in out[1].logprobs] == [list(e) for e in alone.logprobs]
+        assert torch.allclose(torch.tensor([v for e in out[1].logprobs for v in e.values()]),
+                              torch.tensor([v for e in alone.logprobs for v in e.values()]), atol=1e-4)
         assert streamer.puts[0] == prompt and sum(streamer.puts[1:], []) == alone.tokens and streamer.ends == 1
         m = out[1].metrics
         assert (m.prompt_tokens, m.new_tokens) == (len(prompt), 24)

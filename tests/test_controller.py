@@ -175,6 +175,8 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
             options = {"temperature": 1.0, "seed": i} if i in (1, 3) else {}
             if i == 4:
                 options = {"stop_token_ids": [free[2]]}
+            if i == 2:
+                options = {"logprobs": 0}
             try:
                 results[i] = ctl.generate(too_long if i == 7 else PROMPTS[i], request_class="code" if i % 2 == 0
                                           else "chat", max_new_tokens=6 + i, **options)
@@ -188,6 +190,8 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
             assert results[4].request_class == "code"
             assert "exceeds the target's context" in str(errors[7])
             assert results.pop(4).tokens == stopped
+            assert [list(e) for e in results[2].logprobs] == [[t] for t in results[2].tokens]
+            assert results[0].logprobs is None
             for i, r in results.items():  # each its own length and class, greedy ones the target's own output
                 assert len(r.tokens) == 6 + i and r.request_class == ("code" if i % 2 == 0 else "chat")
                 if i not in (1, 3):

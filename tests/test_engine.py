@@ -166,6 +166,29 @@ def test_min_tokens_holds_the_end_back_and_ignore_eos_drops_it_as_generate_does(
         target.generation_config.eos_token_id = None
 
 
+def test_logprobs_are_the_targets_own_for_every_output_token(target):
+    """`logprobs`: per output token, the chosen token's and the 2 likeliest tokens' log-probabilities
+    under the target's raw distribution (one forward over prompt + output gives them), also for
+    tokens a verify accepted; alone and in a batch, greedy and sampled, and cut with the output
+    by a stop token."""
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=3)
+    stop = engine.generate(batch[0], "off", 20).tokens[6]
+    for sampling in (SamplingParams(logprobs=2, stop_token_ids=[stop]), SamplingParams(1.0, seed=5, logprobs=2)):
+        for arm in ("off", "self:8", "ngram:4"):
+            alone = [engine.generate(p, arm, 20, sampling) for p in batch]
+            together = engine.generate_batch(batch, arm, 20, [sampling] * 3).results
+            assert len(alone[0].tokens) == len(together[0].tokens) == (7 if sampling.greedy else 20)
+            for p, r in zip(batch * 2, alone + together):
+                with torch.no_grad():
+                    logp = torch.log_softmax(target(torch.tensor([p + r.tokens])).logits[0, len(p) - 1:-1], -1)
+                assert len(r.logprobs) == len(r.tokens)
+                for j, (token, entry) in enumerate(zip(r.tokens, r.logprobs)):
+                    assert set(entry) == {token, *logp[j].topk(2).indices.tolist()}, (arm, j)
+                    assert torch.allclose(torch.tensor(list(entry.values())), logp[j, list(entry)], atol=1e-4)
+    assert engine.generate(batch[0], "self:8", 5).logprobs is None  # only when asked for
+
+
 def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
     """vLLM's `stop`: the output ends at the token whose text completes a stop string (kept), also
     inside an accepted draft, alone and in a batch; the engine looks only at the last tokens'
@@ -279,6 +302,7 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, top_k=2.5)), "top_k must be an int"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, min_p=1.5)), "min_p"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(min_tokens=-1)), "min_tokens"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logprobs=21)), "logprobs must be None or an int"),
         (lambda e: e.generate([1, 999], "off"), "out of vocabulary"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
     ],
