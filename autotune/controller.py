@@ -224,7 +224,8 @@ class AutotuneController:
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
         request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
-        `ignore_eos`, `min_tokens`, `logprobs`).
+        `ignore_eos`, `min_tokens`, `logprobs`, `repetition_penalty`, `presence_penalty`,
+        `frequency_penalty`).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None

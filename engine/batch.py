@@ -38,6 +38,7 @@ from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.sampling import (
     SamplingParams,
     log_probabilities,
+    penalize,
     probabilities,
     sample,
     token_logprobs,
@@ -305,7 +306,8 @@ class BatchRun:
             logp = log_probabilities(logits[b:b + 1], r.sampling)
             r.logprobs = None if logp is None else []
             if r.resumes is None:
-                r.tokens.append(_pick(r.stopping.hold(logits[b:b + 1], len(r.tokens))[0], r.sampling, r.generator))
+                first = penalize(logits[b:b + 1], r.tokens, [], len(r.tokens), r.sampling)
+                r.tokens.append(_pick(r.stopping.hold(first, len(r.tokens))[0], r.sampling, r.generator))
                 if logp is not None:
                     r.logprobs = token_logprobs(logp, r.tokens[-1:], r.sampling.logprobs)
         draft_prefill = 0.0
@@ -391,12 +393,13 @@ class BatchRun:
             ids, logits = self._verify(active, drafts)
         prevs = [len(r.tokens) for r in active]
         for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
-            logp = log_probabilities(logits[b, : len(d) + 1], r.sampling)
-            r.stopping.hold(logits[b], len(r.tokens))
+            row = logits[b, : len(d) + 1]
+            logp = log_probabilities(row, r.sampling)
+            row = r.stopping.hold(penalize(row, r.tokens, d, r.stopping.output_start, r.sampling), len(r.tokens))
             if r.sampling.greedy:
-                n, nxt = verify_greedy(logits[b, : len(d) + 1], d)
+                n, nxt = verify_greedy(row, d)
             else:
-                n, nxt = verify_sampled(probabilities(logits[b, : len(d) + 1], r.sampling), d, qs[b], r.generator)
+                n, nxt = verify_sampled(probabilities(row, r.sampling), d, qs[b], r.generator)
             self.target_cache.forget(b, first_slot + 1 + n)
             if steps:  # a lookup row kept none of the model's drafts, only its catch-up
                 self.batch_drafter.rollback(b, r, n if from_model[b] else 0, steps)

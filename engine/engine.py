@@ -26,6 +26,7 @@ from engine.runner import ModelRunner
 from engine.sampling import (
     SamplingParams,
     log_probabilities,
+    penalize,
     probabilities,
     sample,
     token_logprobs,
@@ -416,7 +417,8 @@ class SpeculativeEngine:
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
         logp = log_probabilities(logits[-1:], sampling)
-        tokens.append(self._pick(stopping.hold(logits[-1:], len(tokens))[0], sampling, generator))
+        first = penalize(logits[-1:], tokens, [], len(tokens), sampling)
+        tokens.append(self._pick(stopping.hold(first, len(tokens))[0], sampling, generator))
         logprobs = None if logp is None else token_logprobs(logp, tokens[-1:], sampling.logprobs)
         if drafter is not None:
             target_done = self._sync()
@@ -463,6 +465,7 @@ class SpeculativeEngine:
                 step = step[:, :1]
                 logits = self.runner.step(step, len(tokens) - 1, keep=1)
             logp = log_probabilities(logits, sampling)
+            logits = penalize(logits, tokens, draft, m.prompt_tokens, sampling)
             stopping.hold(logits, len(tokens))
             if sampling.greedy:
                 n, nxt = verify_greedy(logits, draft)

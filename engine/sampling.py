@@ -31,7 +31,9 @@ class SamplingParams:
     ends the output (transformers' min_new_tokens: the target cannot pick a stop token there).
     `logprobs` N: each output token's log-probability and those of the N likeliest tokens at its
     position, under the target's raw distribution (vLLM's default), from the forward that
-    verified it (`token_logprobs`)."""
+    verified it (`token_logprobs`). Penalties (`penalize`), greedy or sampled:
+    `repetition_penalty` on every token of prompt and output (transformers' and vLLM's),
+    `presence_penalty` and `frequency_penalty` on the output's tokens (OpenAI's and vLLM's)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -44,6 +46,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -59,6 +64,11 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if not self.repetition_penalty > 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         stops = tuple(self.stop_token_ids)
         if not all(isinstance(t, int) and t >= 0 for t in stops):
             raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")
@@ -71,6 +81,37 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def penalize(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_start: int,
+             params: SamplingParams) -> torch.Tensor:
+    """The request's penalties on `logits` [n, V], whose row j picks the token after `tokens` +
+    `drafts[:j]`: each row sees its own history, so a verify keeps exactly what one-token decoding
+    would pick. Repetition as transformers' RepetitionPenaltyLogitsProcessor (a seen token's
+    logit divided by the penalty, or multiplied when negative); presence and frequency subtract
+    from the logits of the output's tokens, once and per occurrence."""
+    if not params.penalized:
+        return logits
+    n, vocab = logits.shape
+    device = logits.device
+    history = torch.tensor(tokens, device=device)
+    later = torch.zeros(n, vocab, device=device)  # per row: occurrences among the drafts before it
+    for j, token in enumerate(drafts[: n - 1]):
+        later[j + 1:, token] += 1
+    logits = logits.float()
+    if params.repetition_penalty != 1.0:
+        seen = later > 0
+        seen[:, history] = True
+        penalized = torch.where(logits < 0, logits * params.repetition_penalty, logits / params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = later + torch.bincount(history[output_start:], minlength=vocab)[:vocab].float()
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -166,6 +166,34 @@ def test_min_tokens_holds_the_end_back_and_ignore_eos_drops_it_as_generate_does(
         target.generation_config.eos_token_id = None
 
 
+def test_penalties_see_each_verified_tokens_own_history(target):
+    """Repetition, presence and frequency penalties: greedy output equal to one-token decoding
+    with them (generate() for repetition_penalty; written out for presence and frequency), on
+    every arm, alone and in a batch: a verify's later positions see the drafts before them."""
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=3)
+
+    def one_at_a_time(prompt, presence, frequency):
+        seq = list(prompt)
+        for _ in range(20):
+            with torch.no_grad():
+                logits = target(torch.tensor([seq])).logits[0, -1]
+            counts = torch.bincount(torch.tensor(seq[len(prompt):], dtype=torch.long), minlength=logits.numel())
+            seq.append(int((logits - frequency * counts - presence * (counts > 0).float()).argmax()))
+        return seq[len(prompt):]
+
+    free = [hf_greedy(target, p, 20) for p in batch]
+    cases = [(SamplingParams(repetition_penalty=1.5), [hf_greedy(target, p, 20, repetition_penalty=1.5)
+                                                       for p in batch]),
+             (SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), [one_at_a_time(p, 1.0, 0.5)
+                                                                            for p in batch])]
+    for sampling, expected in cases:
+        assert all(e != f for e, f in zip(expected, free))  # each output is changed by it
+        for arm in ("off", "self:8", "ngram:4"):
+            assert [engine.generate(p, arm, 20, sampling).tokens for p in batch] == expected, (sampling, arm)
+            assert [r.tokens for r in engine.generate_batch(batch, arm, 20, [sampling] * 3)] == expected, arm
+
+
 def test_logprobs_are_the_targets_own_for_every_output_token(target):
     """`logprobs`: per output token, the chosen token's and the 2 likeliest tokens' log-probabilities
     under the target's raw distribution (one forward over prompt + output gives them), also for
@@ -303,6 +331,8 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, min_p=1.5)), "min_p"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(min_tokens=-1)), "min_tokens"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logprobs=21)), "logprobs must be None or an int"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(repetition_penalty=0)), "repetition_penalty"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(presence_penalty=3)), "presence_penalty"),
         (lambda e: e.generate([1, 999], "off"), "out of vocabulary"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
     ],

@@ -13,7 +13,13 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_qwen3_next
 from scipy.stats import chisquare
-from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import engine.engine as engine_module
 from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
@@ -45,13 +51,25 @@ def test_the_distribution_sampled_is_the_one_generate_samples(params):
     assert ((expected == 0).sum(-1) > 0).all()  # each case cuts tokens
 
 
+def penalized(logits, prefixes, params):
+    """The request's penalties on the next-token logits after each of `prefixes` (prompt +
+    output), written out independently of the engine: transformers' repetition penalty, then
+    OpenAI's presence and frequency penalties over the output."""
+    logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(prefixes, logits.clone())
+    counts = torch.stack([torch.bincount(row[len(PROMPT):], minlength=VOCAB) for row in prefixes]).float()
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
 def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
+    def next_token(prefixes):
+        prefixes = torch.tensor(prefixes)
+        return probabilities(penalized(target(prefixes).logits[:, -1], prefixes, params), params)
+
     with torch.no_grad():
-        p1 = probabilities(target(torch.tensor([PROMPT])).logits[0, -1], params)
-        prefixes = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
-        p2 = probabilities(target(prefixes).logits[:, -1], params)  # [a, b]
+        p1 = next_token([PROMPT])[0]
+        p2 = next_token([PROMPT + [a] for a in range(VOCAB)])  # [a, b]
         pairs = list(itertools.product(range(VOCAB), repeat=2))
-        p3 = probabilities(target(torch.tensor([PROMPT + [a, b] for a, b in pairs])).logits[:, -1], params)
+        p3 = next_token([PROMPT + [a, b] for a, b in pairs])
     joint = torch.zeros(VOCAB, VOCAB)
     for i, (a, b) in enumerate(pairs):
         joint[b] += p1[a] * p2[a, b] * p3[i]  # P(t2=b, t3=c) summed over t1=a
@@ -81,7 +99,8 @@ def p_value(engine, arm, params, expected, samples=SAMPLES):
     ("arm", "params"),
     [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9)),
      ("hybrid:2", SamplingParams(1.0)),  # PROMPT repeats "1 2": the first round is lookup's, later ones the model's
-     ("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05))],
+     ("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05)),
+     ("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
     target, drafter = models
