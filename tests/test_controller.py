@@ -400,8 +400,8 @@ def test_an_unknown_sampling_option_is_refused_by_name(engine):
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF)
     with pytest.raises(InvalidRequestError, match=r"unknown sampling option\(s\) \['top_q'\]"):
         ctl.generate([1, 2, 3], "x", top_q=0.5)
-    with pytest.raises(InvalidRequestError, match=r"\['repetition_penalty'\]; the others it takes: .*'top_k'"):
-        ctl.generate_batch([[1, 2, 3]] * 2, "x", repetition_penalty=1.1)
+    with pytest.raises(InvalidRequestError, match=r"\['best_of'\]; the others it takes: .*'top_k'"):
+        ctl.generate_batch([[1, 2, 3]] * 2, "x", best_of=2)
 
 
 def test_the_reward_compares_a_request_with_off_on_the_same_request(engine):
