@@ -136,7 +136,8 @@ def cmd_bench(args) -> None:
         from autotune.classes import builtin_classes
 
         prompts = list(builtin_classes(include_shared=False)["code"].prompts[: 3 if args.quick else args.prompts])
-        result = bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens)
+        result = bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens,
+                                    args.repetition_penalty)
         print(json.dumps(result, indent=2))
     elif args.what == "lossless":
         arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else [Arm(d, 4) for d in engine.drafters]
@@ -263,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "limits", "cache", "concurrency"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="bench engine: every method decodes with this repetition penalty")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")
     p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=int, default=64)

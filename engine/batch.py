@@ -218,6 +218,10 @@ class BatchDrafter:
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
         for i in range(max(ks)):
             logits = self.cache.forward(ids, positions, live, last_only=True)[:, -1]
+            for b, r in enumerate(rows):
+                if i < ks[b] and r.sampling.penalized:  # drafted as the target will pick (see ModelDrafter)
+                    logits[b] = penalize(logits[b:b + 1], r.tokens + drafts[b], [], r.stopping.output_start,
+                                         r.sampling)[0]
             chosen = logits.argmax(-1).tolist()
             for b, r in enumerate(rows):
                 if i < ks[b] and not r.sampling.greedy:

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, probabilities, sample
+from engine.sampling import SamplingParams, penalize, probabilities, sample
 
 
 class Drafter(Protocol):
@@ -59,7 +59,7 @@ class ModelDrafter:
 
     def begin(self, prompt: torch.Tensor, max_length: int) -> None:
         self.runner.begin(prompt, max_length)
-        self._seen = prompt.numel()
+        self._seen = self._output_start = prompt.numel()
 
     def propose(self, tokens, k, params, generator):
         device = self.model.device
@@ -75,6 +75,8 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.runner.step(step, self._seen, keep=1)[-1]
             self._seen += step.shape[1]
+            if params.penalized:  # drafted as the target will pick, so that its drafts are kept
+                logits = penalize(logits[None], tokens + draft, [], self._output_start, params)[0]
             if params.greedy:
                 token = int(logits.argmax())
             else:

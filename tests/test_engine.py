@@ -169,7 +169,8 @@ def test_min_tokens_holds_the_end_back_and_ignore_eos_drops_it_as_generate_does(
 def test_penalties_see_each_verified_tokens_own_history(target):
     """Repetition, presence and frequency penalties: greedy output equal to one-token decoding
     with them (generate() for repetition_penalty; written out for presence and frequency), on
-    every arm, alone and in a batch: a verify's later positions see the drafts before them."""
+    every arm, alone and in a batch: a verify's later positions see the drafts before them. A
+    model drafter drafts with them too: the target drafting for itself has every draft kept."""
     engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
     batch = prompts(3, seed=3)
 
@@ -190,8 +191,11 @@ def test_penalties_see_each_verified_tokens_own_history(target):
     for sampling, expected in cases:
         assert all(e != f for e, f in zip(expected, free))  # each output is changed by it
         for arm in ("off", "self:8", "ngram:4"):
-            assert [engine.generate(p, arm, 20, sampling).tokens for p in batch] == expected, (sampling, arm)
-            assert [r.tokens for r in engine.generate_batch(batch, arm, 20, [sampling] * 3)] == expected, arm
+            alone = [engine.generate(p, arm, 20, sampling) for p in batch]
+            together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
+            assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, (sampling, arm)
+            if arm == "self:8":
+                assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
 
 
 def test_logprobs_are_the_targets_own_for_every_output_token(target):

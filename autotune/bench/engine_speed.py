@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autotune.bench.common import compile_total, device_name, hf_generate, rotate
-from engine import OFF, Arm, HybridDrafter, ModelDrafter, SpeculativeEngine
+from engine import OFF, Arm, HybridDrafter, ModelDrafter, SamplingParams, SpeculativeEngine
 
 
 def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
@@ -24,12 +24,15 @@ def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
     return SpeculativeEngine(engine.target, drafters, engine.tokenizer, engine.device, engine.dtype, compile=False)
 
 
-def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_new_tokens: int = 64) -> dict:
-    """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation.
+def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_new_tokens: int = 64,
+                 repetition_penalty: float = 1.0) -> dict:
+    """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation, every
+    method greedy with `repetition_penalty`.
 
     A compiled engine is also measured against its eager twin (same models), side by side, and
     its one-time compile cost is reported; compiling happens before any timing.
     """
+    sampling = SamplingParams(repetition_penalty=repetition_penalty)
     encoded = [engine.encode(p).tolist() for p in prompts]
     totals = defaultdict(float)
     tokens = defaultdict(int)
@@ -44,19 +47,20 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         engines["eager"] = eager_twin(engine)
         methods += ["eager_off", "eager_spec"]
     warm = encoded[0]  # first calls allocate and pick kernels: keep them out of the timings
-    hf_generate(engine, warm, 8, None)
-    hf_generate(engine, warm, 8, arm)
+    hf_generate(engine, warm, 8, None, repetition_penalty)
+    hf_generate(engine, warm, 8, arm, repetition_penalty)
     for e in engines.values():
-        e.generate(warm, OFF, 8)
-        e.generate(warm, arm, 8)
+        e.generate(warm, OFF, 8, sampling)
+        e.generate(warm, arm, 8, sampling)
     for i, ids in enumerate(encoded):
         outputs = {}
         for method in rotate(methods, i):
             if method.startswith("hf"):
-                out, seconds = hf_generate(engine, ids, max_new_tokens, arm if method == "hf_assisted" else None)
+                out, seconds = hf_generate(engine, ids, max_new_tokens, arm if method == "hf_assisted" else None,
+                                           repetition_penalty)
             else:
                 which, what = method.split("_")
-                result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens)
+                result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens, sampling)
                 out, seconds = result.tokens, result.metrics.total_s
                 if which == "engine":
                     (off_metrics if what == "off" else spec_metrics).append(result.metrics)
@@ -78,6 +82,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         "arm": str(arm),
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
+        "repetition_penalty": repetition_penalty,
         "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
         "ratio_off_vs_hf_generate": round(tps["engine_off"] / tps["hf_generate"], 3),
         "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3),
