@@ -28,7 +28,7 @@ import functools
 import torch
 
 from engine import Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
-from engine.sampling import probabilities
+from engine.sampling import penalize, probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
 
@@ -164,14 +164,19 @@ class CostModel:
 def target_probabilities(engine: SpeculativeEngine, sequence: list[int], start: int,
                          sampling: SamplingParams) -> torch.Tensor:
     """[len(sequence) - start, V]: the distribution each output token from `start` on was sampled from."""
-    return probabilities(_teacher_forced_logits(engine.target, sequence, start), sampling)
+    return probabilities(_teacher_forced_logits(engine.target, sequence, start, sampling), sampling)
 
 
-def _teacher_forced_logits(model, sequence: list[int], start: int) -> torch.Tensor:
-    """Logits whose row j predicts sequence[start + j], from one forward over the whole sequence."""
+def _teacher_forced_logits(model, sequence: list[int], start: int, sampling: SamplingParams | None) -> torch.Tensor:
+    """Logits whose row j predicts sequence[start + j], from one forward over the whole sequence,
+    with the request's penalties as the engine and its drafters apply them (the output begins
+    one token before `start`)."""
     ids = torch.tensor([sequence], device=model.device)
     with torch.inference_mode():
-        return model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0, :-1]
+        logits = model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0, :-1]
+    if sampling is None:
+        return logits
+    return penalize(logits, sequence[:start], sequence[start:], start - 1, sampling)
 
 
 def model_chains(drafter: ModelDrafter, sequence: list[int], start: int, k: int,
@@ -180,7 +185,7 @@ def model_chains(drafter: ModelDrafter, sequence: list[int], start: int, k: int,
 
     `target` None means greedy: a draft is kept exactly when the drafter's argmax is the output.
     """
-    logits = _teacher_forced_logits(drafter.model, sequence, start)
+    logits = _teacher_forced_logits(drafter.model, sequence, start, sampling)
     if target is None:
         accept = (logits.argmax(-1) == torch.tensor(sequence[start:], device=logits.device)).float()
     else:

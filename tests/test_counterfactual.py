@@ -17,14 +17,16 @@ def engine(target, draft_model):
                                       "hybrid": HybridDrafter(draft_model)})
 
 
-def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine):
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)])
+def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine, sampling):
+    """Greedy, also with penalties (the drafters draft with them, and so does the replay)."""
     for i, prompt in enumerate(prompts(12, seed=4)):
         max_new = 20 + i % 7
-        output = engine.generate(prompt, OFF, max_new_tokens=max_new).tokens
+        output = engine.generate(prompt, OFF, max_new, sampling).tokens
         for arm in (Arm("small", 1), Arm("small", 3), Arm("small", 8), Arm("ngram", 2), Arm("ngram", 6),
                     Arm("hybrid", 3)):
-            served = engine.generate(prompt, arm, max_new_tokens=max_new).metrics
-            rounds = replay_arm(engine, arm, prompt, output, max_new)
+            served = engine.generate(prompt, arm, max_new, sampling).metrics
+            rounds = replay_arm(engine, arm, prompt, output, max_new, sampling)
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
             assert sum(k > 0 for k in rounds) == served.draft_rounds, (i, arm)
 
