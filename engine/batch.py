@@ -35,16 +35,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
-from engine.sampling import (
-    SamplingParams,
-    log_probabilities,
-    penalize,
-    probabilities,
-    sample,
-    token_logprobs,
-    verify_greedy,
-    verify_sampled,
-)
+from engine.sampling import SamplingParams, commit, penalize, probabilities, sample
 
 if TYPE_CHECKING:
     from engine.engine import GenerationResult
@@ -307,13 +298,10 @@ class BatchRun:
         ids, live = _block([r.tokens[:-1] if r.resumes else r.tokens for r in rows], self.target.device, right=True)
         logits = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
         for b, r in enumerate(rows):
-            logp = log_probabilities(logits[b:b + 1], r.sampling)
-            r.logprobs = None if logp is None else []
+            r.logprobs = None if r.sampling.logprobs is None else []
             if r.resumes is None:
-                first = penalize(logits[b:b + 1], r.tokens, [], len(r.tokens), r.sampling)
-                r.tokens.append(_pick(r.stopping.hold(first, len(r.tokens))[0], r.sampling, r.generator))
-                if logp is not None:
-                    r.logprobs = token_logprobs(logp, r.tokens[-1:], r.sampling.logprobs)
+                first, r.logprobs = commit(logits[b:b + 1], r.tokens, [], None, r.sampling, r.stopping, r.generator)
+                r.tokens += first
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
@@ -397,21 +385,16 @@ class BatchRun:
             ids, logits = self._verify(active, drafts)
         prevs = [len(r.tokens) for r in active]
         for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
-            row = logits[b, : len(d) + 1]
-            logp = log_probabilities(row, r.sampling)
-            row = r.stopping.hold(penalize(row, r.tokens, d, r.stopping.output_start, r.sampling), len(r.tokens))
-            if r.sampling.greedy:
-                n, nxt = verify_greedy(row, d)
-            else:
-                n, nxt = verify_sampled(probabilities(row, r.sampling), d, qs[b], r.generator)
+            kept, kept_logprobs = commit(logits[b, : len(d) + 1], r.tokens, d, qs[b], r.sampling, r.stopping,
+                                         r.generator)
+            n = len(kept) - 1
             self.target_cache.forget(b, first_slot + 1 + n)
             if steps:  # a lookup row kept none of the model's drafts, only its catch-up
                 self.batch_drafter.rollback(b, r, n if from_model[b] else 0, steps)
             prev = len(r.tokens)
-            r.tokens.extend(d[:n])
-            r.tokens.append(nxt)
-            if logp is not None:
-                r.logprobs += token_logprobs(logp[: n + 1], r.tokens[prev:], r.sampling.logprobs)
+            r.tokens += kept
+            if kept_logprobs is not None:
+                r.logprobs += kept_logprobs
             if (end := r.stopping.end(r.tokens, prev)) is not None:
                 del r.tokens[end + 1:]
                 r.done = True
@@ -478,8 +461,3 @@ def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> 
     batch.stream_s += spent
     return spent
 
-
-def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
-    if sampling.greedy:
-        return int(logits.argmax())
-    return sample(probabilities(logits, sampling), generator)

@@ -23,16 +23,7 @@ from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, 
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.runner import ModelRunner
-from engine.sampling import (
-    SamplingParams,
-    log_probabilities,
-    penalize,
-    probabilities,
-    sample,
-    token_logprobs,
-    verify_greedy,
-    verify_sampled,
-)
+from engine.sampling import SamplingParams, commit, probabilities, sample
 from engine.schedule import ConstantK, KSchedule
 from engine.stopping import Stopping
 from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
@@ -279,7 +270,7 @@ class SpeculativeEngine:
             sampling = SamplingParams(1.0, 0.9, seed=0)
             generator = self._generator(sampling)
             with torch.inference_mode():
-                self._pick(torch.zeros(self.vocab_size, device=self.device), sampling, generator)
+                sample(probabilities(torch.zeros(self.vocab_size, device=self.device), sampling), generator)
                 torch.rand(1, device=self.device, generator=generator)
         if self.cache_kind != "compiled":
             return {}
@@ -416,10 +407,8 @@ class SpeculativeEngine:
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
         logits = self.runner.begin(ids, max_length)
         tokens = ids.tolist()
-        logp = log_probabilities(logits[-1:], sampling)
-        first = penalize(logits[-1:], tokens, [], len(tokens), sampling)
-        tokens.append(self._pick(stopping.hold(first, len(tokens))[0], sampling, generator))
-        logprobs = None if logp is None else token_logprobs(logp, tokens[-1:], sampling.logprobs)
+        first, logprobs = commit(logits[-1:], tokens, [], None, sampling, stopping, generator)
+        tokens += first
         if drafter is not None:
             target_done = self._sync()
             drafter.begin(ids, max_length)
@@ -464,19 +453,12 @@ class SpeculativeEngine:
                 self.runner.truncate(len(tokens) - 1)
                 step = step[:, :1]
                 logits = self.runner.step(step, len(tokens) - 1, keep=1)
-            logp = log_probabilities(logits, sampling)
-            logits = penalize(logits, tokens, draft, m.prompt_tokens, sampling)
-            stopping.hold(logits, len(tokens))
-            if sampling.greedy:
-                n, nxt = verify_greedy(logits, draft)
-            else:
-                n, nxt = verify_sampled(probabilities(logits, sampling), draft, q, generator)
-
+            kept, kept_logprobs = commit(logits, tokens, draft, q, sampling, stopping, generator)
+            n = len(kept) - 1
             prev = len(tokens)
-            tokens.extend(draft[:n])
-            tokens.append(nxt)
-            if logp is not None:
-                logprobs += token_logprobs(logp[: n + 1], tokens[prev:], sampling.logprobs)
+            tokens += kept
+            if kept_logprobs is not None:
+                logprobs += kept_logprobs
             self.runner.truncate(len(tokens) - 1)
             if (end := stopping.end(tokens, prev)) is not None:  # an EOS inside an accepted draft ends it there
                 del tokens[end + 1:]
@@ -600,12 +582,6 @@ class SpeculativeEngine:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
         return generator
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
-        if sampling.greedy:
-            return int(logits.argmax())
-        return sample(probabilities(logits, sampling), generator)
 
 
 class BatchSession:

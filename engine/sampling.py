@@ -157,6 +157,24 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_probs: torch.Tensor | None,
+           params: SamplingParams, stopping, generator: torch.Generator | None
+           ) -> tuple[list[int], list[dict[int, float]] | None]:
+    """What a round commits after `tokens`, from the target's `logits` [len(draft) + 1, V] over
+    `draft` (a prefill: no draft, one row): the drafts kept and the target's next token, and
+    their logprobs if the request asked for them. The request's penalties and `stopping`'s
+    min_tokens apply at each position with its own history, so the tokens are those one-token
+    decoding would pick."""
+    logp = log_probabilities(logits, params)
+    logits = stopping.hold(penalize(logits, tokens, draft, stopping.output_start, params), len(tokens))
+    if params.greedy:
+        n, nxt = verify_greedy(logits, draft)
+    else:
+        n, nxt = verify_sampled(probabilities(logits, params), draft, draft_probs, generator)
+    kept = [*draft[:n], nxt]
+    return kept, None if logp is None else token_logprobs(logp[: n + 1], kept, params.logprobs)
+
+
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
     """Return (number of draft tokens kept, the target's next token) for K+1 verify logits."""
     choice = target_logits.argmax(-1).tolist()

@@ -21,7 +21,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import engine.engine as engine_module
+import engine.sampling as sampling_module
 from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.sampling import probabilities
 
@@ -119,7 +119,7 @@ def test_the_same_test_rejects_a_biased_sampler(models, monkeypatch):
 
         return len(draft), sample(target_probs[len(draft)], generator)
 
-    monkeypatch.setattr(engine_module, "verify_sampled", accept_everything)
+    monkeypatch.setattr(sampling_module, "verify_sampled", accept_everything)
     params = SamplingParams(1.0)
     assert p_value(engine, "draft:2", params, exact_joint_of_tokens_2_and_3(target, params)) < ALPHA
 
