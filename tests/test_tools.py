@@ -121,7 +121,7 @@ def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path):
 def test_bench_lossless_passes_a_lossless_engine_and_fails_a_lossy_one(tmp_path, monkeypatch, capsys):
     import json
 
-    import engine.engine
+    import engine.sampling
 
     argv = ["bench", "lossless", "--classes", "code,docs", "--prompts", "1", "--max-new-tokens", "24",
             "--arms", "distilled:2,ngram:3"]
@@ -133,7 +133,7 @@ def test_bench_lossless_passes_a_lossless_engine_and_fails_a_lossy_one(tmp_path,
     def accept_every_draft(target_logits, draft):  # a broken verifier: keeps drafts the target rejects
         return len(draft), int(target_logits[len(draft)].argmax())
 
-    monkeypatch.setattr(engine.engine, "verify_greedy", accept_every_draft)
+    monkeypatch.setattr(engine.sampling, "verify_greedy", accept_every_draft)
     assert main([*argv, "--json", str(path)]) == 1
     assert "float32 outputs differ from generate()" in capsys.readouterr().err
     divergences = json.loads(path.read_text())["divergences"]
