@@ -76,6 +76,11 @@ class Batch:
         with self._coalescer._cv:
             return [t.item for t in self._coalescer._queue if t.group == self.group]
 
+    def answered(self, index: int) -> bool:
+        """Whether item `index`'s caller already has its outcome (`deliver`)."""
+        with self._coalescer._cv:
+            return self._tickets[index].done
+
     def deliver(self, index: int, outcome: Any) -> None:
         """Hand item `index`'s caller its outcome (a result, or an exception to raise) now."""
         with self._coalescer._cv:

@@ -225,7 +225,7 @@ class AutotuneController:
         request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
         `ignore_eos`, `min_tokens`, `logprobs`, `repetition_penalty`, `presence_penalty`,
-        `frequency_penalty`).
+        `frequency_penalty`, `logit_bias`, `allowed_token_ids`).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
@@ -235,7 +235,7 @@ class AutotuneController:
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
-            self.engine.check_request(len(ids), OFF, max_new_tokens)  # not in a batch it would have broken up
+            self.engine.check_request(len(ids), OFF, max_new_tokens, sampling)  # not in a batch it would have broken up
             classified = request_class is None
             if classified:
                 request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
@@ -293,7 +293,10 @@ class AutotuneController:
                 end_stream(streamer)
 
     def _serve_coalesced(self, group, batch: Batch) -> list:
-        """One batch from the coalescer; if the batch is refused, each request alone with its own error."""
+        """One batch from the coalescer. If the batch is refused or fails (memory, a model error),
+        its requests not yet answered are served alone, each with its own outcome: nothing is
+        lost to another request's fault. A request whose stream had begun is not served again
+        (its client would see its output twice): it gets the batch's error."""
         items = batch.items
         ids, classes, classified, limits, sampling, streamers, arrived = (list(column) for column in zip(*items))
         try:
@@ -301,14 +304,18 @@ class AutotuneController:
                 return self._serve_continuous(batch)
             return self._serve(ids, classes, limits, sampling, streamers, arrived, classified,
                                batch if self._pausable else None)
-        except InvalidRequestError:  # refused before decoding: nothing was streamed
+        except Exception as exc:
             if len(items) == 1:
                 raise
+            failure = exc
         outcomes = []
-        for one, cls, was_classified, limit, sp, streamer, since in items:
+        for one, cls, was_classified, limit, sp, streamer, since in batch.items:
+            if batch.answered(len(outcomes)) or getattr(streamer, "started", False):
+                outcomes.append(failure)  # an answer already delivered keeps it
+                continue
             try:
                 outcomes.append(self._serve([one], [cls], [limit], [sp], [streamer], [since], [was_classified])[0])
-            except InvalidRequestError as exc:
+            except Exception as exc:
                 outcomes.append(exc)
         return outcomes
 

@@ -28,7 +28,7 @@ import functools
 import torch
 
 from engine import Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
-from engine.sampling import penalize, probabilities
+from engine.sampling import adjust_logits, probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
 
@@ -176,7 +176,7 @@ def _teacher_forced_logits(model, sequence: list[int], start: int, sampling: Sam
         logits = model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0, :-1]
     if sampling is None:
         return logits
-    return penalize(logits, sequence[:start], sequence[start:], start - 1, sampling)
+    return adjust_logits(logits, sequence[:start], sequence[start:], start - 1, sampling)
 
 
 def model_chains(drafter: ModelDrafter, sequence: list[int], start: int, k: int,

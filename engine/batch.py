@@ -35,7 +35,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
-from engine.sampling import SamplingParams, commit, penalize, probabilities, sample
+from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, sample
 
 if TYPE_CHECKING:
     from engine.engine import GenerationResult
@@ -210,8 +210,8 @@ class BatchDrafter:
         for i in range(max(ks)):
             logits = self.cache.forward(ids, positions, live, last_only=True)[:, -1]
             for b, r in enumerate(rows):
-                if i < ks[b] and r.sampling.penalized:  # drafted as the target will pick (see ModelDrafter)
-                    logits[b] = penalize(logits[b:b + 1], r.tokens + drafts[b], [], r.stopping.output_start,
+                if i < ks[b] and r.sampling.adjusts_logits:  # drafted as the target will pick (see ModelDrafter)
+                    logits[b] = adjust_logits(logits[b:b + 1], r.tokens + drafts[b], [], r.stopping.output_start,
                                          r.sampling)[0]
             chosen = logits.argmax(-1).tolist()
             for b, r in enumerate(rows):

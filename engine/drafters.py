@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, penalize, probabilities, sample
+from engine.sampling import SamplingParams, adjust_logits, probabilities, sample
 
 
 class Drafter(Protocol):
@@ -75,8 +75,8 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.runner.step(step, self._seen, keep=1)[-1]
             self._seen += step.shape[1]
-            if params.penalized:  # drafted as the target will pick, so that its drafts are kept
-                logits = penalize(logits[None], tokens + draft, [], self._output_start, params)[0]
+            if params.adjusts_logits:  # drafted as the target will pick, so that its drafts are kept
+                logits = adjust_logits(logits[None], tokens + draft, [], self._output_start, params)[0]
             if params.greedy:
                 token = int(logits.argmax())
             else:

@@ -318,10 +318,19 @@ class SpeculativeEngine:
             raise InvalidRequestError(f"prompt token ids out of vocabulary range: {bad[:5]}")
         return torch.tensor(ids, device=self.device)
 
-    def check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int) -> Drafter | None:
+    def check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int,
+                      sampling: SamplingParams | None = None) -> Drafter | None:
         """Refuse, with a clear error, a request this engine cannot serve on `arm`; its drafter."""
         if max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if sampling is not None and (bad := sorted(t for t in sampling.token_ids() if t >= self.vocab_size)):
+            raise InvalidRequestError(f"token ids in the sampling options are out of vocabulary range"
+                                      f" (size {self.vocab_size}): {bad[:5]}")
+        if sampling is not None and sampling.min_tokens and sampling.allowed_token_ids is not None:
+            ends = sampling.stop_token_ids + (() if sampling.ignore_eos else tuple(self.eos_token_id))
+            if set(sampling.allowed_token_ids) <= set(ends):
+                raise InvalidRequestError("allowed_token_ids are all end tokens, which min_tokens forbids:"
+                                          " no token could be decoded")
         if self.max_length is not None and prompt_len + max_new_tokens > self.max_length:
             raise InvalidRequestError(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the"
@@ -381,7 +390,7 @@ class SpeculativeEngine:
         sampling = sampling or SamplingParams()
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
-        drafter = self.check_request(ids.numel(), arm, max_new_tokens)
+        drafter = self.check_request(ids.numel(), arm, max_new_tokens, sampling)
         try:
             result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, pause)
         except BaseException:
@@ -550,8 +559,8 @@ class SpeculativeEngine:
 
     def _batch_row(self, request: BatchRequest, arm: Arm) -> Row:
         ids = self.encode(request.prompt)
-        self.check_request(ids.numel(), arm, request.max_new_tokens)
         sampling = request.sampling or SamplingParams()
+        self.check_request(ids.numel(), arm, request.max_new_tokens, sampling)
         generator = request.generator if request.generator is not None else self._generator(sampling)
         output_start = request.resumes.metrics.prompt_tokens if request.resumes is not None else ids.numel()
         return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,

@@ -31,9 +31,12 @@ class SamplingParams:
     ends the output (transformers' min_new_tokens: the target cannot pick a stop token there).
     `logprobs` N: each output token's log-probability and those of the N likeliest tokens at its
     position, under the target's raw distribution (vLLM's default), from the forward that
-    verified it (`token_logprobs`). Penalties (`penalize`), greedy or sampled:
+    verified it (`token_logprobs`). Penalties (`adjust_logits`), greedy or sampled:
     `repetition_penalty` on every token of prompt and output (transformers' and vLLM's),
-    `presence_penalty` and `frequency_penalty` on the output's tokens (OpenAI's and vLLM's)."""
+    `presence_penalty` and `frequency_penalty` on the output's tokens (OpenAI's and vLLM's).
+    Before the penalties, `allowed_token_ids` (vLLM's) leaves only those tokens possible, and
+    `logit_bias` {token: bias} (OpenAI's, -100..100) adds to their logits; a dict given is kept
+    as sorted (token, bias) pairs, so the parameters stay hashable."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -49,6 +52,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -77,6 +82,23 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in strings):
             raise InvalidRequestError(f"stop must be non-empty strings, got {list(strings)}")
         object.__setattr__(self, "stop", strings)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        bias = tuple(sorted((token, bias) for token, bias in bias))
+        if not all(_is_token_id(t) and isinstance(b, (int, float)) and -100 <= b <= 100 for t, b in bias):
+            raise InvalidRequestError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got"
+                                      f" {dict(bias)}")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids)
+            if not allowed or not all(_is_token_id(t) for t in allowed):
+                raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got"
+                                          f" {list(allowed)}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+
+    def token_ids(self) -> set[int]:
+        """Every token id the request names (stops, biases, allowed tokens), for checking them
+        against a model's vocabulary."""
+        return {*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())}
 
     @property
     def greedy(self) -> bool:
@@ -86,23 +108,44 @@ class SamplingParams:
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes anything: a model drafter then drafts with it too."""
+        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
 
-def penalize(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_start: int,
-             params: SamplingParams) -> torch.Tensor:
-    """The request's penalties on `logits` [n, V], whose row j picks the token after `tokens` +
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_start: int,
+                  params: SamplingParams) -> torch.Tensor:
+    """The request's own edits of `logits` [n, V], whose row j picks the token after `tokens` +
     `drafts[:j]`: each row sees its own history, so a verify keeps exactly what one-token decoding
-    would pick. Repetition as transformers' RepetitionPenaltyLogitsProcessor (a seen token's
-    logit divided by the penalty, or multiplied when negative); presence and frequency subtract
-    from the logits of the output's tokens, once and per occurrence."""
-    if not params.penalized:
+    would pick. In transformers' order: the allowed tokens and the logit bias (its
+    SequenceBiasLogitsProcessor, one-token sequences), then the repetition penalty as its
+    RepetitionPenaltyLogitsProcessor (a seen token's logit divided by the penalty, or multiplied
+    when negative); presence and frequency subtract from the logits of the output's tokens, once
+    and per occurrence."""
+    if not params.adjusts_logits:
         return logits
     n, vocab = logits.shape
     device = logits.device
+    logits = logits.float()
+    if params.allowed_token_ids is not None:
+        barred = torch.full((vocab,), float("-inf"), device=device)
+        barred[list(params.allowed_token_ids)] = 0.0
+        logits = logits + barred
+    if params.logit_bias:
+        ids, biases = zip(*params.logit_bias)
+        biases = torch.tensor(biases, dtype=logits.dtype, device=device).expand(n, -1)
+        logits = logits.index_add(1, torch.tensor(ids, device=device), biases)
+    if not params.penalized:
+        return logits
     history = torch.tensor(tokens, device=device)
     later = torch.zeros(n, vocab, device=device)  # per row: occurrences among the drafts before it
     for j, token in enumerate(drafts[: n - 1]):
         later[j + 1:, token] += 1
-    logits = logits.float()
     if params.repetition_penalty != 1.0:
         seen = later > 0
         seen[:, history] = True
@@ -166,7 +209,7 @@ def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_prob
     min_tokens apply at each position with its own history, so the tokens are those one-token
     decoding would pick."""
     logp = log_probabilities(logits, params)
-    logits = stopping.hold(penalize(logits, tokens, draft, stopping.output_start, params), len(tokens))
+    logits = stopping.hold(adjust_logits(logits, tokens, draft, stopping.output_start, params), len(tokens))
     if params.greedy:
         n, nxt = verify_greedy(logits, draft)
     else:

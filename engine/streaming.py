@@ -57,13 +57,15 @@ def _call(streamer: Streamer, method: str, *args) -> str | None:
 
 class EndsOnce:
     """Forwards to a streamer and lets only the first `end()` through, so a caller can end it in
-    a `finally` whether or not the engine already did."""
+    a `finally` whether or not the engine already did. `started`: something was put, so serving
+    the request again would stream it twice."""
 
     def __init__(self, streamer: Streamer) -> None:
         self.streamer = streamer
-        self.ended = False
+        self.started = self.ended = False
 
     def put(self, value: torch.Tensor) -> None:
+        self.started = True
         self.streamer.put(value)
 
     def end(self) -> None:

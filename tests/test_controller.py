@@ -316,6 +316,42 @@ def test_requests_whose_prefill_fails_are_taken_apart_and_only_those_that_fail_a
         assert r.tokens == hf_greedy(target, PROMPTS[i], 60 if i < 3 else 5)
 
 
+@pytest.mark.parametrize(("continuous", "fails"), [(False, "prefill"), (False, "round"), (True, "round")])
+def test_a_batch_that_fails_serves_its_requests_not_yet_streamed_alone(engine, target, continuous, fails):
+    """A static batch whose prefill raises, or a batch (static or continuous) whose decoding
+    round raises: the requests whose streams have not begun are served one at a time, one that
+    fails alone too getting its own error; a request whose stream had begun gets the batch's
+    error rather than its output twice (before, every caller of the batch got the error)."""
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=8, continuous=continuous)
+    streamer = FirstRound(threading.Event())
+    results, errors = {}, {}
+
+    def fail(module, args):
+        rows, width = args[0].shape
+        if rows > 1 and (width > 1) == (fails == "prefill") or width > 1 and args[0][0].tolist() == PROMPTS[2]:
+            raise RuntimeError("out of memory")
+
+    def worker(i):
+        try:
+            results[i] = ctl.generate(PROMPTS[i], "code", max_new_tokens=12, streamer=streamer if i == 0 else None)
+        except Exception as exc:
+            errors[i] = exc
+
+    hook = target.model.embed_tokens.register_forward_pre_hook(fail)
+    try:
+        three_then_the_rest(ctl, worker, 3)
+    finally:
+        hook.remove()
+    ctl.close()
+    streamed = fails == "round"  # the prefill streamed request 0's prompt and first token
+    assert sorted(errors) == ([0, 2] if streamed else [2]) and all("out of memory" in str(e) for e in errors.values())
+    assert sorted(results) == ([1] if streamed else [0, 1])
+    for i, r in results.items():
+        assert r.tokens == hf_greedy(target, PROMPTS[i], 12) and r.load == 1
+    assert streamer.ends == 1 and streamer.puts[0] == PROMPTS[0]  # streamed once, never twice
+    assert sum(streamer.puts[1:], []) == (hf_greedy(target, PROMPTS[0], 12)[:1] if streamed else results[0].tokens)
+
+
 @pytest.mark.parametrize("batches", [True, False])
 def test_a_request_decoding_alone_pauses_for_one_that_arrives_and_both_finish_in_a_batch(
         engine, target, draft_model, tmp_path, batches):
@@ -396,12 +432,16 @@ def test_policy_arms_the_engine_lacks_are_refused(engine):
         AutotuneController(engine, policy="greedy")
 
 
-def test_an_unknown_sampling_option_is_refused_by_name(engine):
+def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine):
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF)
     with pytest.raises(InvalidRequestError, match=r"unknown sampling option\(s\) \['top_q'\]"):
         ctl.generate([1, 2, 3], "x", top_q=0.5)
     with pytest.raises(InvalidRequestError, match=r"\['best_of'\]; the others it takes: .*'top_k'"):
         ctl.generate_batch([[1, 2, 3]] * 2, "x", best_of=2)
+    batching = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=4)
+    assert batching.generate([1, 2, 3], "x", max_new_tokens=4, allowed_token_ids=[5]).tokens == [5] * 4
+    with pytest.raises(InvalidRequestError, match=r"out of vocabulary range \(size 64\): \[99\]"):
+        batching.generate([1, 2, 3], "x", logit_bias={99: 1.0})  # refused in its caller, before any batch
 
 
 def test_the_reward_compares_a_request_with_off_on_the_same_request(engine):

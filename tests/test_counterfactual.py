@@ -17,9 +17,11 @@ def engine(target, draft_model):
                                       "hybrid": HybridDrafter(draft_model)})
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.5,
+                                                                       logit_bias={t: 2.0 for t in range(0, 64, 6)})])
 def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine, sampling):
-    """Greedy, also with penalties (the drafters draft with them, and so does the replay)."""
+    """Greedy, also with penalties and a logit bias (the drafters draft with them, and so does
+    the replay)."""
     for i, prompt in enumerate(prompts(12, seed=4)):
         max_new = 20 + i % 7
         output = engine.generate(prompt, OFF, max_new, sampling).tokens

@@ -198,6 +198,34 @@ def test_penalties_see_each_verified_tokens_own_history(target):
                 assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
 
 
+def test_logit_bias_and_allowed_tokens_act_as_generates_sequence_bias_and_prefix_constraint(target):
+    """logit_bias and allowed_token_ids: greedy output equal to generate() with the same bias
+    (one-token sequence_bias) and the same allowed tokens (prefix_allowed_tokens_fn), with a
+    repetition penalty after them as generate() applies it, on every arm, alone and in a batch.
+    The target drafting for itself drafts with them too, so every draft is kept."""
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=5)
+    bias = {t: (3.0 if t % 3 else -2.5) for t in range(1, 64, 4)}
+    allowed = list(range(0, 64, 2))
+    free = [hf_greedy(target, p, 20) for p in batch]
+    cases = [
+        (SamplingParams(logit_bias=bias),
+         [hf_greedy(target, p, 20, sequence_bias={(t,): b for t, b in bias.items()}) for p in batch]),
+        (SamplingParams(logit_bias=bias, allowed_token_ids=allowed, repetition_penalty=1.5),
+         [hf_greedy(target, p, 20, sequence_bias={(t,): b for t, b in bias.items()}, repetition_penalty=1.5,
+                    prefix_allowed_tokens_fn=lambda _, ids: allowed) for p in batch]),
+    ]
+    assert all(t % 2 == 0 for t in sum(cases[1][1], []))
+    for sampling, expected in cases:
+        assert all(e != f for e, f in zip(expected, free))  # each output is changed by the options
+        for arm in ("off", "self:8", "ngram:4"):
+            alone = [engine.generate(p, arm, 20, sampling) for p in batch]
+            together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
+            assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, (sampling, arm)
+            if arm == "self:8":
+                assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
+
+
 def test_logprobs_are_the_targets_own_for_every_output_token(target):
     """`logprobs`: per output token, the chosen token's and the 2 likeliest tokens' log-probabilities
     under the target's raw distribution (one forward over prompt + output gives them), also for
@@ -338,6 +366,15 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(repetition_penalty=0)), "repetition_penalty"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(presence_penalty=3)), "presence_penalty"),
         (lambda e: e.generate([1, 999], "off"), "out of vocabulary"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias={3: 101})), "logit_bias must map"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias={-1: 1})), "logit_bias must map"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(allowed_token_ids=[])), "allowed_token_ids"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(allowed_token_ids=[5], stop_token_ids=[5],
+                                                                     min_tokens=2)), "all end tokens"),
+        (lambda e: e.generate([1, 2], "small:2", sampling=SamplingParams(logit_bias={64: 1.0})),
+         r"sampling options are out of vocabulary range \(size 64\): \[64\]"),
+        (lambda e: e.generate_batch([[1, 2]] * 2, "off", sampling=[SamplingParams(stop_token_ids=[70])] * 2),
+         r"out of vocabulary range \(size 64\): \[70\]"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
     ],
 )

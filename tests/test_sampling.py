@@ -51,11 +51,19 @@ def test_the_distribution_sampled_is_the_one_generate_samples(params):
     assert ((expected == 0).sum(-1) > 0).all()  # each case cuts tokens
 
 
-def penalized(logits, prefixes, params):
-    """The request's penalties on the next-token logits after each of `prefixes` (prompt +
-    output), written out independently of the engine: transformers' repetition penalty, then
-    OpenAI's presence and frequency penalties over the output."""
-    logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(prefixes, logits.clone())
+def adjusted(logits, prefixes, params):
+    """The request's edits of the next-token logits after each of `prefixes` (prompt + output),
+    written out independently of the engine: the allowed tokens and the logit bias, then
+    transformers' repetition penalty, then OpenAI's presence and frequency penalties over the
+    output."""
+    logits = logits.clone()
+    if params.allowed_token_ids is not None:
+        barred = torch.ones(VOCAB, dtype=torch.bool)
+        barred[list(params.allowed_token_ids)] = False
+        logits[:, barred] = float("-inf")
+    for token, bias in params.logit_bias:
+        logits[:, token] += bias
+    logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(prefixes, logits)
     counts = torch.stack([torch.bincount(row[len(PROMPT):], minlength=VOCAB) for row in prefixes]).float()
     return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
 
@@ -63,7 +71,7 @@ def penalized(logits, prefixes, params):
 def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
     def next_token(prefixes):
         prefixes = torch.tensor(prefixes)
-        return probabilities(penalized(target(prefixes).logits[:, -1], prefixes, params), params)
+        return probabilities(adjusted(target(prefixes).logits[:, -1], prefixes, params), params)
 
     with torch.no_grad():
         p1 = next_token([PROMPT])[0]
@@ -100,7 +108,9 @@ def p_value(engine, arm, params, expected, samples=SAMPLES):
     [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9)),
      ("hybrid:2", SamplingParams(1.0)),  # PROMPT repeats "1 2": the first round is lookup's, later ones the model's
      ("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05)),
-     ("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3))],
+     ("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3)),
+     ("draft:2", SamplingParams(1.0, logit_bias={3: 1.5, 5: -1.0}, allowed_token_ids=[0, 2, 3, 4, 5, 7],
+                                repetition_penalty=1.5))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
     target, drafter = models
