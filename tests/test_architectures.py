@@ -1,11 +1,12 @@
 """The engine on other architectures than the Llama the rest of the suite uses: learned
 absolute positions (GPT-2), an offset position table (OPT), partial rotary (GPT-NeoX), latent
-attention whose cached keys and values differ in width (DeepSeek-V2), sliding-window attention
-(Mistral and Starcoder2, every layer; Qwen2 and Gemma2, mixed with full layers, Gemma2 with
-logit softcapping), chunked attention mixed with full (Llama 4), recurrent layers mixed with
-full attention (Qwen3-Next's linear attention, Falcon-H1's Mamba-2 mixers, LFM2's short
-convolutions; one request at a time), models whose recurrent layers cannot verify drafts
-(Mamba: OFF only), and ALiBi (MPT, Falcon: alone, on the dynamic cache).
+attention whose cached keys and values differ in width (DeepSeek-V2 and V3), sliding-window
+attention (Mistral and Starcoder2, every layer; Qwen2, Gemma2 and GPT-OSS, mixed with full
+layers, Gemma2 with logit softcapping, GPT-OSS with attention sinks), layers without rotary
+positions (SmolLM3), chunked attention mixed with full (Llama 4), recurrent layers mixed with
+full attention (Qwen3-Next's linear attention, Falcon-H1's, Zamba2's and Nemotron-H's Mamba-2
+mixers, LFM2's short convolutions; one request at a time), models whose recurrent layers cannot
+verify drafts (Mamba: OFF only), and ALiBi (MPT, Falcon: alone, on the dynamic cache).
 
 transformers' own sliding-window cache keeps only the last window, which a speculative decoder
 cannot roll back past; the engine keeps the history and applies the window (or chunk) in the
@@ -61,6 +62,17 @@ CONFIGS = {  # name: (target config, drafter config)
                                       qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                                       first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1,
                                       **dict(SHAPE, num_key_value_heads=4)) for n in (2, 1)),
+    "deepseek_v3": lambda: tuple(  # latent attention, sigmoid-routed experts
+        transformers.DeepseekV3Config(num_hidden_layers=n, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                      qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                                      first_k_dense_replace=1, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                      **dict(SHAPE, num_key_value_heads=4)) for n in (2, 1)),
+    "gpt_oss-sinks": lambda: tuple(  # attention sinks, sliding layers mixed with full
+        transformers.GptOssConfig(num_hidden_layers=n, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                                  num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"][:n],
+                                  **SHAPE) for n in (2, 1)),
+    "smollm3-nope": lambda: tuple(  # every other layer without rotary positions
+        transformers.SmolLM3Config(num_hidden_layers=n, no_rope_layer_interval=2, **SHAPE) for n in (2, 1)),
     "gpt2": lambda: tuple(transformers.GPT2Config(n_embd=64, n_layer=n, n_head=4, n_positions=256,
                                                   initializer_range=0.3, **COMMON) for n in (2, 1)),
     "opt": lambda: tuple(transformers.OPTConfig(hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
@@ -123,6 +135,14 @@ RECURRENT = {  # models whose layers hold a recurrent state: name -> (seed -> mo
     "falcon_h1": lambda seed: build(transformers.FalconH1Config(
         num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
         mamba_chunk_size=8, **SHAPE), seed),
+    # Mamba-2 layers and a shared attention block (Zamba2), Mamba-2 and attention layers (Nemotron-H)
+    "zamba2": lambda seed: build(transformers.Zamba2Config(
+        num_hidden_layers=2, hidden_size=64, mamba_d_state=8, mamba_headdim=16, n_mamba_heads=8, num_attention_heads=4,
+        num_key_value_heads=4, attention_head_dim=16, intermediate_size=128, layers_block_type=["mamba", "hybrid"],
+        max_position_embeddings=256, initializer_range=0.3, **COMMON), seed),
+    "nemotron_h": lambda seed: build(transformers.NemotronHConfig(
+        num_hidden_layers=2, hybrid_override_pattern="M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+        n_groups=1, chunk_size=8, head_dim=16, **SHAPE), seed),
     # short convolutions (a convolution state, no recurrent one) between full-attention layers
     "lfm2": lambda seed: build(transformers.Lfm2Config(num_hidden_layers=2, layer_types=["conv", "full_attention"],
                                                        **SHAPE), seed),
