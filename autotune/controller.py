@@ -225,13 +225,13 @@ class AutotuneController:
         request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
         `ignore_eos`, `min_tokens`, `logprobs`, `repetition_penalty`, `presence_penalty`,
-        `frequency_penalty`, `logit_bias`, `allowed_token_ids`).
+        `frequency_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words`, `bad_words_ids`).
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
             _check_label(request_class)
-            sampling = _sampling(temperature, top_p, seed, sampling_options)
+            sampling = self.engine.bad_words_as_ids(_sampling(temperature, top_p, seed, sampling_options))
             if self._coalescer is None:
                 return self._serve([prompt], [request_class], [max_new_tokens], [sampling], [ends], [arrived])[0]
             ids = self.engine.encode(prompt).tolist()  # a bad request fails here, in its own caller,
@@ -285,7 +285,8 @@ class AutotuneController:
             if len(seeds) != len(prompts) or len(ends) != len(prompts):
                 raise InvalidRequestError("seeds and streamers must have one entry per prompt")
             count = len(prompts)
-            sampling = [_sampling(temperature, top_p, seed, sampling_options) for seed in seeds]
+            sampling = [self.engine.bad_words_as_ids(_sampling(temperature, top_p, seed, sampling_options))
+                        for seed in seeds]
             return self._serve(prompts, [request_class] * count, [max_new_tokens] * count, sampling, ends,
                                [arrived] * count)
         finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -318,6 +318,18 @@ class SpeculativeEngine:
             raise InvalidRequestError(f"prompt token ids out of vocabulary range: {bad[:5]}")
         return torch.tensor(ids, device=self.device)
 
+    def bad_words_as_ids(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with its `bad_words` tokenized into `bad_words_ids`, as vLLM does: each word
+        as written and after a space (how it reads inside a text)."""
+        if not sampling.bad_words:
+            return sampling
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words need the engine's tokenizer: pass bad_words_ids instead")
+        spelled = {tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                   for word in sampling.bad_words for text in (word, " " + word.lstrip(" "))}
+        extra = tuple(ids for ids in sorted(spelled) if ids and ids not in sampling.bad_words_ids)
+        return replace(sampling, bad_words=(), bad_words_ids=sampling.bad_words_ids + extra)
+
     def check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int,
                       sampling: SamplingParams | None = None) -> Drafter | None:
         """Refuse, with a clear error, a request this engine cannot serve on `arm`; its drafter."""
@@ -387,7 +399,7 @@ class SpeculativeEngine:
         not ended.
         """
         arm = Arm.parse(arm) if isinstance(arm, str) else arm
-        sampling = sampling or SamplingParams()
+        sampling = self.bad_words_as_ids(sampling or SamplingParams())
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
         drafter = self.check_request(ids.numel(), arm, max_new_tokens, sampling)
@@ -559,7 +571,7 @@ class SpeculativeEngine:
 
     def _batch_row(self, request: BatchRequest, arm: Arm) -> Row:
         ids = self.encode(request.prompt)
-        sampling = request.sampling or SamplingParams()
+        sampling = self.bad_words_as_ids(request.sampling or SamplingParams())
         self.check_request(ids.numel(), arm, request.max_new_tokens, sampling)
         generator = request.generator if request.generator is not None else self._generator(sampling)
         output_start = request.resumes.metrics.prompt_tokens if request.resumes is not None else ids.numel()

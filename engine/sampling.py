@@ -34,9 +34,12 @@ class SamplingParams:
     verified it (`token_logprobs`). Penalties (`adjust_logits`), greedy or sampled:
     `repetition_penalty` on every token of prompt and output (transformers' and vLLM's),
     `presence_penalty` and `frequency_penalty` on the output's tokens (OpenAI's and vLLM's).
-    Before the penalties, `allowed_token_ids` (vLLM's) leaves only those tokens possible, and
-    `logit_bias` {token: bias} (OpenAI's, -100..100) adds to their logits; a dict given is kept
-    as sorted (token, bias) pairs, so the parameters stay hashable."""
+    Before the penalties, `allowed_token_ids` (vLLM's) leaves only those tokens possible,
+    `logit_bias` {token: bias} (OpenAI's, -100..100) adds to their logits (a dict given is kept
+    as sorted (token, bias) pairs, so the parameters stay hashable), and `bad_words_ids`
+    (generate()'s) makes impossible the last token of each sequence whose other tokens end the
+    text so far. `bad_words` (vLLM's) are strings the engine tokenizes into `bad_words_ids`
+    (`SpeculativeEngine.bad_words_as_ids`), as written and after a space."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -54,6 +57,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -94,11 +99,21 @@ class SamplingParams:
                 raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got"
                                           f" {list(allowed)}")
             object.__setattr__(self, "allowed_token_ids", allowed)
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        if not all(isinstance(w, str) and w for w in words):
+            raise InvalidRequestError(f"bad_words must be non-empty strings, got {list(words)}")
+        object.__setattr__(self, "bad_words", words)
+        sequences = tuple(tuple(ids) for ids in self.bad_words_ids)
+        if not all(ids and all(_is_token_id(t) for t in ids) for ids in sequences):
+            raise InvalidRequestError(f"bad_words_ids must be non-empty lists of token ids (ints >= 0), got"
+                                      f" {[list(ids) for ids in sequences]}")
+        object.__setattr__(self, "bad_words_ids", sequences)
 
     def token_ids(self) -> set[int]:
-        """Every token id the request names (stops, biases, allowed tokens), for checking them
-        against a model's vocabulary."""
-        return {*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ())}
+        """Every token id the request names (stops, biases, allowed tokens, bad words), for
+        checking them against a model's vocabulary."""
+        return {*self.stop_token_ids, *(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ()),
+                *(t for ids in self.bad_words_ids for t in ids)}
 
     @property
     def greedy(self) -> bool:
@@ -111,7 +126,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether `adjust_logits` changes anything: a model drafter then drafts with it too."""
-        return self.penalized or bool(self.logit_bias) or self.allowed_token_ids is not None
+        return self.penalized or bool(self.logit_bias or self.bad_words_ids) or self.allowed_token_ids is not None
 
 
 def _is_token_id(value) -> bool:
@@ -122,11 +137,11 @@ def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], ou
                   params: SamplingParams) -> torch.Tensor:
     """The request's own edits of `logits` [n, V], whose row j picks the token after `tokens` +
     `drafts[:j]`: each row sees its own history, so a verify keeps exactly what one-token decoding
-    would pick. In transformers' order: the allowed tokens and the logit bias (its
-    SequenceBiasLogitsProcessor, one-token sequences), then the repetition penalty as its
-    RepetitionPenaltyLogitsProcessor (a seen token's logit divided by the penalty, or multiplied
-    when negative); presence and frequency subtract from the logits of the output's tokens, once
-    and per occurrence."""
+    would pick. In transformers' order: the allowed tokens, the bad words (its
+    NoBadWordsLogitsProcessor) and the logit bias (its SequenceBiasLogitsProcessor, one-token
+    sequences), then the repetition penalty as its RepetitionPenaltyLogitsProcessor (a seen
+    token's logit divided by the penalty, or multiplied when negative); presence and frequency
+    subtract from the logits of the output's tokens, once and per occurrence."""
     if not params.adjusts_logits:
         return logits
     n, vocab = logits.shape
@@ -136,6 +151,11 @@ def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], ou
         barred = torch.full((vocab,), float("-inf"), device=device)
         barred[list(params.allowed_token_ids)] = 0.0
         logits = logits + barred
+    if params.bad_words_ids:
+        rows, ids = _bad_words(tokens, drafts, n, params.bad_words_ids)
+        logits = logits.index_put((torch.tensor(rows, dtype=torch.long, device=device),
+                                   torch.tensor(ids, dtype=torch.long, device=device)),
+                                  torch.tensor(float("-inf"), device=device))
     if params.logit_bias:
         ids, biases = zip(*params.logit_bias)
         biases = torch.tensor(biases, dtype=logits.dtype, device=device).expand(n, -1)
@@ -155,6 +175,23 @@ def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], ou
         counts = later + torch.bincount(history[output_start:], minlength=vocab)[:vocab].float()
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
+
+
+def _bad_words(tokens: list[int], drafts: list[int], n: int, words: tuple[tuple[int, ...], ...]
+               ) -> tuple[list[int], list[int]]:
+    """(rows, token ids) to make impossible: per row j (after `tokens` + `drafts[:j]`), the last
+    token of each bad word whose other tokens end that history."""
+    longest = max(map(len, words)) - 1
+    recent = tokens[max(len(tokens) - longest, 0):] if longest else []
+    rows, ids = [], []
+    for j in range(n):
+        history = recent + drafts[:j]
+        for word in words:
+            before = len(word) - 1
+            if before <= len(history) and (not before or history[len(history) - before:] == list(word[:-1])):
+                rows.append(j)
+                ids.append(word[-1])
+    return rows, ids
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -442,6 +442,8 @@ def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine
     assert batching.generate([1, 2, 3], "x", max_new_tokens=4, allowed_token_ids=[5]).tokens == [5] * 4
     with pytest.raises(InvalidRequestError, match=r"out of vocabulary range \(size 64\): \[99\]"):
         batching.generate([1, 2, 3], "x", logit_bias={99: 1.0})  # refused in its caller, before any batch
+    with pytest.raises(InvalidRequestError, match="bad_words need the engine's tokenizer"):
+        batching.generate_batch([[1, 2, 3]] * 2, "x", bad_words=["def"])
 
 
 def test_the_reward_compares_a_request_with_off_on_the_same_request(engine):

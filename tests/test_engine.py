@@ -226,6 +226,40 @@ def test_logit_bias_and_allowed_tokens_act_as_generates_sequence_bias_and_prefix
                 assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
 
 
+def test_bad_words_act_as_generates_bad_words_ids(target):
+    """bad_words_ids: the last token of a bad word whose other tokens end the text so far is
+    impossible there, as in generate(bad_words_ids=...), at every verify position with its own
+    drafts, on every arm, alone and in a batch (bad words of one, two and three tokens, taken
+    from the free outputs so that each bites)."""
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=5)
+    free = [hf_greedy(target, p, 20) for p in batch]
+    words = [free[0][2:3], free[1][3:5], free[2][5:8]]
+    expected = [hf_greedy(target, p, 20, bad_words_ids=words) for p in batch]
+    assert all(e != f for e, f in zip(expected, free))  # each output is changed by them
+    sampling = SamplingParams(bad_words_ids=words)
+    for arm in ("off", "self:8", "ngram:4"):
+        alone = [engine.generate(p, arm, 20, sampling) for p in batch]
+        together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
+        assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, arm
+        if arm == "self:8":
+            assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
+
+
+def test_bad_words_are_tokenized_as_written_and_after_a_space():
+    from transformers import AutoTokenizer
+
+    from autotune.zoo import DEFAULT_FAMILY_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    engine = SpeculativeEngine(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    resolved = engine.bad_words_as_ids(SamplingParams(bad_words=["return"], bad_words_ids=[[7]]))
+    spelled = {tuple(tokenizer.encode(w, add_special_tokens=False)) for w in ("return", " return")}
+    assert resolved.bad_words == () and set(resolved.bad_words_ids) == {(7,), *spelled} and len(spelled) == 2
+    with pytest.raises(InvalidRequestError, match="bad_words need the engine's tokenizer"):
+        SpeculativeEngine(tiny_llama(0)).generate([1, 2], "off", 5, SamplingParams(bad_words=["x"]))
+
+
 def test_logprobs_are_the_targets_own_for_every_output_token(target):
     """`logprobs`: per output token, the chosen token's and the 2 likeliest tokens' log-probabilities
     under the target's raw distribution (one forward over prompt + output gives them), also for
@@ -369,6 +403,8 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias={3: 101})), "logit_bias must map"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias={-1: 1})), "logit_bias must map"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(allowed_token_ids=[])), "allowed_token_ids"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(bad_words_ids=[[1], []])), "bad_words_ids must"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(bad_words_ids=[[1, 80]])), r"range .*\[80\]"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(allowed_token_ids=[5], stop_token_ids=[5],
                                                                      min_tokens=2)), "all end tokens"),
         (lambda e: e.generate([1, 2], "small:2", sampling=SamplingParams(logit_bias={64: 1.0})),
