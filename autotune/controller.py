@@ -306,13 +306,13 @@ class AutotuneController:
             return self._serve(ids, classes, limits, sampling, streamers, arrived, classified,
                                batch if self._pausable else None)
         except Exception as exc:
-            if len(items) == 1:
+            if len(batch.items) == 1:  # (a paused request's joiners are items too)
                 raise
             failure = exc
         outcomes = []
         for one, cls, was_classified, limit, sp, streamer, since in batch.items:
             if batch.answered(len(outcomes)) or getattr(streamer, "started", False):
-                outcomes.append(failure)  # an answer already delivered keeps it
+                outcomes.append(failure)  # one delivered keeps its answer; one streamed gets the error
                 continue
             try:
                 outcomes.append(self._serve([one], [cls], [limit], [sp], [streamer], [since], [was_classified])[0])

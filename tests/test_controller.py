@@ -245,6 +245,17 @@ def three_then_the_rest(ctl: AutotuneController, worker, count: int) -> None:
         t.join()
 
 
+def three_then_the_rest_while_failing(ctl: AutotuneController, worker, count: int, target, fail) -> None:
+    """`three_then_the_rest` while `fail(module, args)`, a hook on the target's embedding, may
+    raise (memory, a model error); then the controller is closed."""
+    hook = target.model.embed_tokens.register_forward_pre_hook(fail)
+    try:
+        three_then_the_rest(ctl, worker, count)
+    finally:
+        hook.remove()
+    ctl.close()
+
+
 @pytest.mark.parametrize("continuous", [True, False])
 def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, target, tmp_path, continuous):
     """Continuous batching: short requests sent while a batch of long ones decodes join it and
@@ -304,12 +315,7 @@ def test_requests_whose_prefill_fails_are_taken_apart_and_only_those_that_fail_a
         except Exception as exc:
             errors[i] = exc
 
-    hook = target.model.embed_tokens.register_forward_pre_hook(fail_prefills)
-    try:
-        three_then_the_rest(ctl, worker, 5)
-    finally:
-        hook.remove()
-    ctl.close()
+    three_then_the_rest_while_failing(ctl, worker, 5, target, fail_prefills)
     assert sorted(errors) == [1, 3] and all("out of memory" in str(e) for e in errors.values())
     assert sorted(results) == [0, 2, 4] and results[0].load > 1
     for i, r in results.items():
@@ -337,12 +343,7 @@ def test_a_batch_that_fails_serves_its_requests_not_yet_streamed_alone(engine, t
         except Exception as exc:
             errors[i] = exc
 
-    hook = target.model.embed_tokens.register_forward_pre_hook(fail)
-    try:
-        three_then_the_rest(ctl, worker, 3)
-    finally:
-        hook.remove()
-    ctl.close()
+    three_then_the_rest_while_failing(ctl, worker, 3, target, fail)
     streamed = fails == "round"  # the prefill streamed request 0's prompt and first token
     assert sorted(errors) == ([0, 2] if streamed else [2]) and all("out of memory" in str(e) for e in errors.values())
     assert sorted(results) == ([1] if streamed else [0, 1])

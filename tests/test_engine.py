@@ -166,6 +166,20 @@ def test_min_tokens_holds_the_end_back_and_ignore_eos_drops_it_as_generate_does(
         target.generation_config.eos_token_id = None
 
 
+def assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, cases) -> None:
+    """For each (sampling, expected outputs) of `cases`: the options change every output from
+    `free`, and each arm decodes `expected`, alone and in a batch; the target drafting for
+    itself ("self") drafts with the options, so every draft is kept."""
+    for sampling, expected in cases:
+        assert all(e != f for e, f in zip(expected, free))
+        for arm in ("off", "self:8", "ngram:4"):
+            alone = [engine.generate(p, arm, 20, sampling) for p in batch]
+            together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
+            assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, (sampling, arm)
+            if arm == "self:8":
+                assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
+
+
 def test_penalties_see_each_verified_tokens_own_history(target):
     """Repetition, presence and frequency penalties: greedy output equal to one-token decoding
     with them (generate() for repetition_penalty; written out for presence and frequency), on
@@ -188,14 +202,7 @@ def test_penalties_see_each_verified_tokens_own_history(target):
                                                        for p in batch]),
              (SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), [one_at_a_time(p, 1.0, 0.5)
                                                                             for p in batch])]
-    for sampling, expected in cases:
-        assert all(e != f for e, f in zip(expected, free))  # each output is changed by it
-        for arm in ("off", "self:8", "ngram:4"):
-            alone = [engine.generate(p, arm, 20, sampling) for p in batch]
-            together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
-            assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, (sampling, arm)
-            if arm == "self:8":
-                assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
+    assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, cases)
 
 
 def test_logit_bias_and_allowed_tokens_act_as_generates_sequence_bias_and_prefix_constraint(target):
@@ -216,14 +223,7 @@ def test_logit_bias_and_allowed_tokens_act_as_generates_sequence_bias_and_prefix
                     prefix_allowed_tokens_fn=lambda _, ids: allowed) for p in batch]),
     ]
     assert all(t % 2 == 0 for t in sum(cases[1][1], []))
-    for sampling, expected in cases:
-        assert all(e != f for e, f in zip(expected, free))  # each output is changed by the options
-        for arm in ("off", "self:8", "ngram:4"):
-            alone = [engine.generate(p, arm, 20, sampling) for p in batch]
-            together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
-            assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, (sampling, arm)
-            if arm == "self:8":
-                assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
+    assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, cases)
 
 
 def test_bad_words_act_as_generates_bad_words_ids(target):
@@ -236,14 +236,8 @@ def test_bad_words_act_as_generates_bad_words_ids(target):
     free = [hf_greedy(target, p, 20) for p in batch]
     words = [free[0][2:3], free[1][3:5], free[2][5:8]]
     expected = [hf_greedy(target, p, 20, bad_words_ids=words) for p in batch]
-    assert all(e != f for e, f in zip(expected, free))  # each output is changed by them
-    sampling = SamplingParams(bad_words_ids=words)
-    for arm in ("off", "self:8", "ngram:4"):
-        alone = [engine.generate(p, arm, 20, sampling) for p in batch]
-        together = engine.generate_batch(batch, arm, 20, [sampling] * 3)
-        assert [r.tokens for r in alone] == [r.tokens for r in together] == expected, arm
-        if arm == "self:8":
-            assert [r.metrics.acceptance for r in alone] == [1.0] * 3 and together.metrics.acceptance == 1.0
+    assert_every_arm_decodes_as_one_token_decoding(engine, batch, free,
+                                                   [(SamplingParams(bad_words_ids=words), expected)])
 
 
 def test_bad_words_are_tokenized_as_written_and_after_a_space():
