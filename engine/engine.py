@@ -339,8 +339,7 @@ class SpeculativeEngine:
             raise InvalidRequestError(f"token ids in the sampling options are out of vocabulary range"
                                       f" (size {self.vocab_size}): {bad[:5]}")
         if sampling is not None and sampling.min_tokens and sampling.allowed_token_ids is not None:
-            ends = sampling.stop_token_ids + (() if sampling.ignore_eos else tuple(self.eos_token_id))
-            if set(sampling.allowed_token_ids) <= set(ends):
+            if set(sampling.allowed_token_ids) <= self._end_ids(sampling):
                 raise InvalidRequestError("allowed_token_ids are all end tokens, which min_tokens forbids:"
                                           " no token could be decoded")
         if self.max_length is not None and prompt_len + max_new_tokens > self.max_length:
@@ -578,9 +577,12 @@ class SpeculativeEngine:
         return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,
                    self._stopping(sampling, output_start), request.streamer, resumes=request.resumes)
 
+    def _end_ids(self, sampling: SamplingParams) -> set[int]:
+        """The token ids that end this request's output: the model's EOS unless ignored, and its stop ids."""
+        return (set() if sampling.ignore_eos else set(self.eos_token_id)).union(sampling.stop_token_ids)
+
     def _stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
-        eos = set() if sampling.ignore_eos else self.eos_token_id
-        return Stopping(eos.union(sampling.stop_token_ids), sampling.stop, self.tokenizer, output_start,
+        return Stopping(self._end_ids(sampling), sampling.stop, self.tokenizer, output_start,
                         sampling.include_stop_str_in_output, sampling.min_tokens)
 
     @staticmethod
