@@ -137,7 +137,7 @@ def cmd_bench(args) -> None:
 
         prompts = list(builtin_classes(include_shared=False)["code"].prompts[: 3 if args.quick else args.prompts])
         result = bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens,
-                                    args.repetition_penalty)
+                                    args.repetition_penalty, args.no_repeat_ngram)
         print(json.dumps(result, indent=2))
     elif args.what == "lossless":
         arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else [Arm(d, 4) for d in engine.drafters]
@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="bench engine: every method decodes with this repetition penalty")
+    p.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
+                   help="bench engine: no method repeats an N-gram (the engine through a caller's logits processor)")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")
     p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -24,6 +24,7 @@ is 0 or 1 and the replay is exact.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -163,20 +164,23 @@ class CostModel:
 
 def target_probabilities(engine: SpeculativeEngine, sequence: list[int], start: int,
                          sampling: SamplingParams) -> torch.Tensor:
-    """[len(sequence) - start, V]: the distribution each output token from `start` on was sampled from."""
-    return probabilities(_teacher_forced_logits(engine.target, sequence, start, sampling), sampling)
+    """[len(sequence) - start, V]: the distribution each output token from `start` on was sampled
+    from, min_tokens included (the output begins one token before `start`)."""
+    hold = engine.stopping(sampling, start - 1).hold
+    return probabilities(_teacher_forced_logits(engine.target, sequence, start, sampling, hold), sampling)
 
 
-def _teacher_forced_logits(model, sequence: list[int], start: int, sampling: SamplingParams | None) -> torch.Tensor:
+def _teacher_forced_logits(model, sequence: list[int], start: int, sampling: SamplingParams | None,
+                           hold: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Logits whose row j predicts sequence[start + j], from one forward over the whole sequence,
-    with the request's penalties as the engine and its drafters apply them (the output begins
-    one token before `start`)."""
+    with the request's edits as the engine and its drafters apply them (the output begins one
+    token before `start`)."""
     ids = torch.tensor([sequence], device=model.device)
     with torch.inference_mode():
         logits = model(ids, use_cache=False, logits_to_keep=len(sequence) - start + 1).logits[0, :-1]
-    if sampling is None:
-        return logits
-    return adjust_logits(logits, sequence[:start], sequence[start:], start - 1, sampling)
+        if sampling is None:
+            return logits
+        return adjust_logits(logits, sequence[:start], sequence[start:], start - 1, sampling, hold)
 
 
 def model_chains(drafter: ModelDrafter, sequence: list[int], start: int, k: int,

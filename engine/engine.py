@@ -416,7 +416,7 @@ class SpeculativeEngine:
                 sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None,
                 pause: Callable[[], bool] | None) -> GenerationResult:
         generator = self._generator(sampling)
-        stopping = self._stopping(sampling, ids.numel())
+        stopping = self.stopping(sampling, ids.numel())
 
         m = GenerationMetrics(prompt_tokens=ids.numel())
         m.drafted_per_position = [0] * MAX_K
@@ -575,13 +575,14 @@ class SpeculativeEngine:
         generator = request.generator if request.generator is not None else self._generator(sampling)
         output_start = request.resumes.metrics.prompt_tokens if request.resumes is not None else ids.numel()
         return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,
-                   self._stopping(sampling, output_start), request.streamer, resumes=request.resumes)
+                   self.stopping(sampling, output_start), request.streamer, resumes=request.resumes)
 
     def _end_ids(self, sampling: SamplingParams) -> set[int]:
         """The token ids that end this request's output: the model's EOS unless ignored, and its stop ids."""
         return (set() if sampling.ignore_eos else set(self.eos_token_id)).union(sampling.stop_token_ids)
 
-    def _stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
+    def stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
+        """The end test of a request whose output starts at `output_start` (the prompt's length)."""
         return Stopping(self._end_ids(sampling), sampling.stop, self.tokenizer, output_start,
                         sampling.include_stop_str_in_output, sampling.min_tokens)
 

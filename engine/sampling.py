@@ -9,6 +9,7 @@ distribution (n-gram lookup) is a point mass, q(x) = 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,14 @@ class SamplingParams:
     as sorted (token, bias) pairs, so the parameters stay hashable), and `bad_words_ids`
     (generate()'s) makes impossible the last token of each sequence whose other tokens end the
     text so far. `bad_words` (vLLM's) are strings the engine tokenizes into `bad_words_ids`
-    (`SpeculativeEngine.bad_words_as_ids`), as written and after a space."""
+    (`SpeculativeEngine.bad_words_as_ids`), as written and after a space. `logits_processor`
+    (generate()'s): the caller's own processors, such as a transformers `LogitsProcessorList`,
+    each called as generate() calls it, `(input_ids [1, L], scores [1, V]) -> scores`, after
+    every edit above and min_tokens and before temperature and the cuts. A verify calls them at
+    each position up to its first rejected draft, with that position's own history (the drafts
+    before it included); model drafters and the controller's replay call them too, on drafts
+    later rejected, so a processor must be a function of `input_ids` (as for generate()'s
+    assisted decoding)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -59,6 +67,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    logits_processor: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -108,6 +117,12 @@ class SamplingParams:
             raise InvalidRequestError(f"bad_words_ids must be non-empty lists of token ids (ints >= 0), got"
                                       f" {[list(ids) for ids in sequences]}")
         object.__setattr__(self, "bad_words_ids", sequences)
+        processors = self.logits_processor  # a LogitsProcessorList is a list and callable: kept as its items
+        processors = tuple(processors) if isinstance(processors, (list, tuple)) else (processors,)
+        if not all(callable(p) for p in processors):
+            raise InvalidRequestError(f"logits_processor must be callables (input_ids, scores) -> scores, such as a"
+                                      f" transformers LogitsProcessorList, got {list(processors)}")
+        object.__setattr__(self, "logits_processor", processors)
 
     def token_ids(self) -> set[int]:
         """Every token id the request names (stops, biases, allowed tokens, bad words), for
@@ -126,7 +141,8 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether `adjust_logits` changes anything: a model drafter then drafts with it too."""
-        return self.penalized or bool(self.logit_bias or self.bad_words_ids) or self.allowed_token_ids is not None
+        return (self.penalized or bool(self.logit_bias or self.bad_words_ids or self.logits_processor)
+                or self.allowed_token_ids is not None)
 
 
 def _is_token_id(value) -> bool:
@@ -134,19 +150,30 @@ def _is_token_id(value) -> bool:
 
 
 def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_start: int,
-                  params: SamplingParams) -> torch.Tensor:
+                  params: SamplingParams, hold: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """The request's own edits of `logits` [n, V], whose row j picks the token after `tokens` +
     `drafts[:j]`: each row sees its own history, so a verify keeps exactly what one-token decoding
     would pick. In transformers' order: the allowed tokens, the bad words (its
     NoBadWordsLogitsProcessor) and the logit bias (its SequenceBiasLogitsProcessor, one-token
     sequences), then the repetition penalty as its RepetitionPenaltyLogitsProcessor (a seen
     token's logit divided by the penalty, or multiplied when negative); presence and frequency
-    subtract from the logits of the output's tokens, once and per occurrence."""
-    if not params.adjusts_logits:
-        return logits
+    subtract from the logits of the output's tokens, once and per occurrence. Then `hold` (the
+    request's `Stopping.hold`, min_tokens: the target's side only), then the caller's
+    `logits_processor`, which generate() applies after its own."""
+    if params.adjusts_logits:
+        logits = _edit(logits.float(), tokens, drafts, output_start, params)
+    if hold is not None:
+        logits = hold(logits, len(tokens))
+    if params.logits_processor:
+        logits = _process(logits, tokens, drafts, params.logits_processor)
+    return logits
+
+
+def _edit(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_start: int,
+          params: SamplingParams) -> torch.Tensor:
     n, vocab = logits.shape
     device = logits.device
-    logits = logits.float()
     if params.allowed_token_ids is not None:
         barred = torch.full((vocab,), float("-inf"), device=device)
         barred[list(params.allowed_token_ids)] = 0.0
@@ -175,6 +202,23 @@ def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], ou
         counts = later + torch.bincount(history[output_start:], minlength=vocab)[:vocab].float()
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
+
+
+def _process(logits: torch.Tensor, tokens: list[int], drafts: list[int], processors: tuple) -> torch.Tensor:
+    """Row j through the caller's processors with its own history as input_ids [1, len(tokens) + j]
+    (a view of one tensor); each row is a copy, since a processor may write into its scores."""
+    n, vocab = logits.shape
+    history = torch.tensor([tokens + drafts[: n - 1]], dtype=torch.long, device=logits.device)
+    out = torch.empty_like(logits)
+    for j in range(n):
+        row = logits[j:j + 1].clone()
+        for processor in processors:
+            row = processor(history[:, : len(tokens) + j], row)
+            if not isinstance(row, torch.Tensor) or row.shape != (1, vocab):
+                raise InvalidRequestError(f"logits_processor {processor!r} must return scores of shape"
+                                          f" {(1, vocab)}, got {getattr(row, 'shape', type(row))}")
+        out[j] = row[0]
+    return out
 
 
 def _bad_words(tokens: list[int], drafts: list[int], n: int, words: tuple[tuple[int, ...], ...]
@@ -246,17 +290,46 @@ def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_prob
     min_tokens apply at each position with its own history, so the tokens are those one-token
     decoding would pick."""
     logp = log_probabilities(logits, params)
-    logits = stopping.hold(adjust_logits(logits, tokens, draft, stopping.output_start, params), len(tokens))
-    if params.greedy:
-        n, nxt = verify_greedy(logits, draft)
+    if params.logits_processor:
+        rows = RowByRow(logits, tokens, draft, params, stopping)
     else:
-        n, nxt = verify_sampled(probabilities(logits, params), draft, draft_probs, generator)
+        rows = adjust_logits(logits, tokens, draft, stopping.output_start, params, stopping.hold)
+        rows = rows if params.greedy else probabilities(rows, params)
+    if params.greedy:
+        n, nxt = verify_greedy(rows, draft)
+    else:
+        n, nxt = verify_sampled(rows, draft, draft_probs, generator)
     kept = [*draft[:n], nxt]
     return kept, None if logp is None else token_logprobs(logp[: n + 1], kept, params.logprobs)
 
 
-def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
-    """Return (number of draft tokens kept, the target's next token) for K+1 verify logits."""
+class RowByRow:
+    """A verify's rows (greedy: edited logits; sampled: probabilities), each edited when first
+    read. A verify reads rows only up to its first rejected draft, so a caller's logits
+    processors run accepted + 1 times per round rather than K + 1."""
+
+    def __init__(self, logits: torch.Tensor, tokens: list[int], draft: list[int], params: SamplingParams,
+                 stopping) -> None:
+        self._logits, self._tokens, self._draft, self._params, self._stopping = logits, tokens, draft, params, stopping
+        self._rows: dict[int, torch.Tensor] = {}
+        self.device = logits.device
+
+    def __getitem__(self, j: int) -> torch.Tensor:
+        if j not in self._rows:
+            row = adjust_logits(self._logits[j:j + 1], self._tokens + self._draft[:j], [], self._stopping.output_start,
+                                self._params, self._stopping.hold)[0]
+            self._rows[j] = row if self._params.greedy else probabilities(row, self._params)
+        return self._rows[j]
+
+
+def verify_greedy(target_logits: torch.Tensor | RowByRow, draft: list[int]) -> tuple[int, int]:
+    """Return (number of draft tokens kept, the target's next token) for K+1 verify logits
+    (a tensor: every row's argmax at once, one device sync)."""
+    if isinstance(target_logits, RowByRow):
+        n = 0
+        while n < len(draft) and draft[n] == int(target_logits[n].argmax()):
+            n += 1
+        return n, int(target_logits[n].argmax())
     choice = target_logits.argmax(-1).tolist()
     n = 0
     while n < len(draft) and draft[n] == choice[n]:
@@ -265,7 +338,7 @@ def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> tuple[int, i
 
 
 def verify_sampled(
-    target_probs: torch.Tensor,
+    target_probs: torch.Tensor | RowByRow,
     draft: list[int],
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None,

@@ -4,9 +4,9 @@ exactly; sampled: in expectation)."""
 import json
 
 import pytest
-from test_engine import prompts
+from test_engine import none_of_the_last_four, prompts
 
-from autotune.counterfactual import CostModel, arm_rewards, batch_rounds, replay_arm
+from autotune.counterfactual import CostModel, arm_rewards, batch_rounds, replay_arm, target_probabilities
 from engine import OFF, Arm, GenerationMetrics, HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
 
@@ -18,15 +18,16 @@ def engine(target, draft_model):
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.5,
-                                                                       logit_bias={t: 2.0 for t in range(0, 64, 6)})])
+                                                                       logit_bias={t: 2.0 for t in range(0, 64, 6)}),
+                                      SamplingParams(logits_processor=none_of_the_last_four)])
 def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine, sampling):
-    """Greedy, also with penalties and a logit bias (the drafters draft with them, and so does
-    the replay)."""
+    """Greedy, also with penalties and a logit bias, or a caller's logits processor (the drafters
+    draft with them, and so does the replay)."""
     for i, prompt in enumerate(prompts(12, seed=4)):
         max_new = 20 + i % 7
         output = engine.generate(prompt, OFF, max_new, sampling).tokens
         for arm in (Arm("small", 1), Arm("small", 3), Arm("small", 8), Arm("ngram", 2), Arm("ngram", 6),
-                    Arm("hybrid", 3)):
+                    Arm("hybrid", 3), Arm("self", 4)):
             served = engine.generate(prompt, arm, max_new, sampling).metrics
             rounds = replay_arm(engine, arm, prompt, output, max_new, sampling)
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
@@ -60,6 +61,14 @@ def test_a_sampled_replay_predicts_rounds_in_expectation(engine):
         result = engine.generate(prompt, Arm("self", 3), max_new_tokens=20, sampling=sampling)
         rounds = replay_arm(engine, Arm("self", 3), prompt, result.tokens, 20, sampling)
         assert (len(rounds), sum(rounds)) == (result.metrics.rounds, result.metrics.drafted)
+
+
+def test_the_targets_replayed_distributions_hold_the_end_until_min_tokens(engine):
+    prompt, stop = prompts(1)[0], 9
+    sampling = SamplingParams(1.0, seed=0, min_tokens=5, stop_token_ids=[stop])
+    output = engine.generate(prompt, OFF, 12, sampling).tokens
+    p = target_probabilities(engine, prompt + output, len(prompt) + 1, sampling)  # row j: output token j + 1
+    assert p[:4, stop].tolist() == [0.0] * 4 and (p[4:, stop] > 0).all()
 
 
 def test_estimated_rewards_follow_acceptance_and_cost():

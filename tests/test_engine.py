@@ -240,6 +240,44 @@ def test_bad_words_act_as_generates_bad_words_ids(target):
                                                    [(SamplingParams(bad_words_ids=words), expected)])
 
 
+def none_of_the_last_four(input_ids, scores):
+    """A caller's logits processor that depends on the history."""
+    return scores.scatter(1, input_ids[:, -4:], float("-inf"))
+
+
+def test_logits_processors_are_called_as_generate_calls_them(target):
+    """A caller's `logits_processor` (a plain function, then with transformers' no-repeat-n-gram
+    class before it): greedy output equal to generate(logits_processor=...), on every arm, alone
+    and in a batch; each verify position calls them with its own history, and a model drafter
+    drafts with them."""
+    from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor
+
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=13)
+    free = [hf_greedy(target, p, 20) for p in batch]
+    cases = []
+    for processors in ([none_of_the_last_four], [NoRepeatNGramLogitsProcessor(2), none_of_the_last_four]):
+        expected = [hf_greedy(target, p, 20, logits_processor=LogitsProcessorList(processors)) for p in batch]
+        cases.append((SamplingParams(logits_processor=LogitsProcessorList(processors)), expected))
+    assert cases[0][1] != cases[1][1]  # the n-gram rule bites too
+    assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, cases)
+
+
+def test_a_verify_calls_the_processors_only_up_to_its_first_rejected_draft(target):
+    """n-gram lookup drafts without the processors, so every call is the target's: one for the
+    prefill's token and, per round, one per kept draft plus one for the token after them."""
+    calls = []
+
+    def counted(input_ids, scores):
+        calls.append(input_ids.shape[1])
+        return none_of_the_last_four(input_ids, scores)
+
+    engine = SpeculativeEngine(target, {"ngram": NGramDrafter()})
+    m = engine.generate(prompts(1)[0], "ngram:4", 30, SamplingParams(logits_processor=counted)).metrics
+    assert m.drafted > m.accepted > 0
+    assert len(calls) == 1 + m.rounds + m.accepted
+
+
 def test_bad_words_are_tokenized_as_written_and_after_a_space():
     from transformers import AutoTokenizer
 
@@ -405,6 +443,10 @@ def test_metrics_add_up(engine):
          r"sampling options are out of vocabulary range \(size 64\): \[64\]"),
         (lambda e: e.generate_batch([[1, 2]] * 2, "off", sampling=[SamplingParams(stop_token_ids=[70])] * 2),
          r"out of vocabulary range \(size 64\): \[70\]"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logits_processor=[None])),
+         "logits_processor must be callables"),
+        (lambda e: e.generate([1, 2], "small:2", sampling=SamplingParams(logits_processor=lambda ids, s: s[0])),
+         r"must return scores of shape \(1, 64\), got torch.Size\(\[64\]\)"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
     ],
 )

@@ -15,6 +15,7 @@ from conftest import tiny_llama, tiny_qwen3_next
 from scipy.stats import chisquare
 from transformers import (
     MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -55,7 +56,7 @@ def adjusted(logits, prefixes, params):
     """The request's edits of the next-token logits after each of `prefixes` (prompt + output),
     written out independently of the engine: the allowed tokens and the logit bias, then
     transformers' repetition penalty, then OpenAI's presence and frequency penalties over the
-    output."""
+    output, then the request's own processors (given every prefix at once, as generate() calls them)."""
     logits = logits.clone()
     if params.allowed_token_ids is not None:
         barred = torch.ones(VOCAB, dtype=torch.bool)
@@ -65,7 +66,15 @@ def adjusted(logits, prefixes, params):
         logits[:, token] += bias
     logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(prefixes, logits)
     counts = torch.stack([torch.bincount(row[len(PROMPT):], minlength=VOCAB) for row in prefixes]).float()
-    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    for processor in params.logits_processor:
+        logits = processor(prefixes, logits)
+    return logits
+
+
+def favour_the_next_id(input_ids, scores):
+    """A caller's processor whose edit depends on the history: token (last + 1) % VOCAB gets +1.5."""
+    return scores + 1.5 * torch.nn.functional.one_hot((input_ids[:, -1] + 1) % VOCAB, VOCAB)
 
 
 def exact_joint_of_tokens_2_and_3(target, params) -> torch.Tensor:
@@ -110,7 +119,8 @@ def p_value(engine, arm, params, expected, samples=SAMPLES):
      ("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05)),
      ("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3)),
      ("draft:2", SamplingParams(1.0, logit_bias={3: 1.5, 5: -1.0}, allowed_token_ids=[0, 2, 3, 4, 5, 7],
-                                repetition_penalty=1.5))],
+                                repetition_penalty=1.5)),
+     ("draft:2", SamplingParams(1.0, logits_processor=[NoRepeatNGramLogitsProcessor(2), favour_the_next_id]))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
     target, drafter = models

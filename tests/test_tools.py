@@ -108,11 +108,13 @@ def test_demo_runs_end_to_end_on_the_committed_family(tmp_path, capsys):
         assert all(o["engine_identity"].startswith("target@") for o in store.observations())
 
 
-def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--no-repeat-ngram", "2"]])
+def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path, options):
+    """Also with generate()'s no_repeat_ngram_size against the engine given its processor class."""
     import json
 
     path = tmp_path / "engine.json"
-    assert main(["bench", "engine", "--quick", "--arm", "distilled:3", "--json", str(path)]) == 0
+    assert main(["bench", "engine", "--quick", "--arm", "distilled:3", *options, "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert result["identical_outputs"] is True
     assert 0.0 <= result["acceptance"] <= 1.0 and result["tokens_per_s"]["engine_spec"] > 0

@@ -28,13 +28,13 @@ def p99(values) -> float:
     return round(ordered[int(0.99 * (len(ordered) - 1))], 4)
 
 
-def hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, arm: Arm | None,
-                repetition_penalty: float = 1.0):
+def hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, arm: Arm | None, **options):
     """transformers' own greedy `generate()` (with assisted generation or prompt lookup for `arm`),
-    timed: the reference every engine figure is measured against."""
+    timed: the reference every engine figure is measured against. `options`: more of generate()'s
+    arguments (`repetition_penalty`, `no_repeat_ngram_size`)."""
     inputs = torch.tensor([ids], device=engine.device)
     kwargs = dict(attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens,
-                  pad_token_id=min(engine.eos_token_id, default=0), repetition_penalty=repetition_penalty)
+                  pad_token_id=min(engine.eos_token_id, default=0), **options)
     if arm is not None:
         drafter = engine.drafters[arm.drafter]
         if isinstance(drafter, NGramDrafter):

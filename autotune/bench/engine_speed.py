@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from transformers import NoRepeatNGramLogitsProcessor
+
 from autotune.bench.common import compile_total, device_name, hf_generate, rotate
 from engine import OFF, Arm, HybridDrafter, ModelDrafter, SamplingParams, SpeculativeEngine
 
@@ -25,14 +27,18 @@ def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
 
 
 def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_new_tokens: int = 64,
-                 repetition_penalty: float = 1.0) -> dict:
+                 repetition_penalty: float = 1.0, no_repeat_ngram: int = 0) -> dict:
     """Engine OFF vs `generate()`, engine on `arm` vs transformers assisted generation, every
-    method greedy with `repetition_penalty`.
+    method greedy with `repetition_penalty` and, when `no_repeat_ngram` N > 0, no repeated
+    N-gram: generate()'s own `no_repeat_ngram_size`, the engine's through its processor class
+    passed as a caller's `logits_processor` (what a processor costs).
 
     A compiled engine is also measured against its eager twin (same models), side by side, and
     its one-time compile cost is reported; compiling happens before any timing.
     """
-    sampling = SamplingParams(repetition_penalty=repetition_penalty)
+    processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram)] if no_repeat_ngram else []
+    sampling = SamplingParams(repetition_penalty=repetition_penalty, logits_processor=processors)
+    options = dict(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram or None)
     encoded = [engine.encode(p).tolist() for p in prompts]
     totals = defaultdict(float)
     tokens = defaultdict(int)
@@ -47,8 +53,8 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         engines["eager"] = eager_twin(engine)
         methods += ["eager_off", "eager_spec"]
     warm = encoded[0]  # first calls allocate and pick kernels: keep them out of the timings
-    hf_generate(engine, warm, 8, None, repetition_penalty)
-    hf_generate(engine, warm, 8, arm, repetition_penalty)
+    hf_generate(engine, warm, 8, None, **options)
+    hf_generate(engine, warm, 8, arm, **options)
     for e in engines.values():
         e.generate(warm, OFF, 8, sampling)
         e.generate(warm, arm, 8, sampling)
@@ -57,7 +63,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         for method in rotate(methods, i):
             if method.startswith("hf"):
                 out, seconds = hf_generate(engine, ids, max_new_tokens, arm if method == "hf_assisted" else None,
-                                           repetition_penalty)
+                                           **options)
             else:
                 which, what = method.split("_")
                 result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens, sampling)
@@ -83,6 +89,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "repetition_penalty": repetition_penalty,
+        "no_repeat_ngram": no_repeat_ngram,
         "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
         "ratio_off_vs_hf_generate": round(tps["engine_off"] / tps["hf_generate"], 3),
         "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3),
