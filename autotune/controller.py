@@ -226,7 +226,7 @@ class AutotuneController:
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
         `ignore_eos`, `min_tokens`, `logprobs`, `repetition_penalty`, `presence_penalty`,
         `frequency_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words`, `bad_words_ids`), and
-        generate()'s `logits_processor`.
+        generate()'s `logits_processor` and `stopping_criteria`.
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None

@@ -584,7 +584,7 @@ class SpeculativeEngine:
     def stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
         """The end test of a request whose output starts at `output_start` (the prompt's length)."""
         return Stopping(self._end_ids(sampling), sampling.stop, self.tokenizer, output_start,
-                        sampling.include_stop_str_in_output, sampling.min_tokens)
+                        sampling.include_stop_str_in_output, sampling.min_tokens, sampling.stopping_criteria)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:

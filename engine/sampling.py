@@ -47,7 +47,9 @@ class SamplingParams:
     each position up to its first rejected draft, with that position's own history (the drafts
     before it included); model drafters and the controller's replay call them too, on drafts
     later rejected, so a processor must be a function of `input_ids` (as for generate()'s
-    assisted decoding)."""
+    assisted decoding). `stopping_criteria` (generate()'s), such as a transformers
+    `StoppingCriteriaList`: the output also ends at the first token after which one of them,
+    called as `(input_ids [1, L], None)`, returns true (see engine/stopping.py)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -68,6 +70,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     logits_processor: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...] = ()
+    stopping_criteria: tuple[Callable[[torch.Tensor, None], torch.Tensor | bool], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -117,12 +120,12 @@ class SamplingParams:
             raise InvalidRequestError(f"bad_words_ids must be non-empty lists of token ids (ints >= 0), got"
                                       f" {[list(ids) for ids in sequences]}")
         object.__setattr__(self, "bad_words_ids", sequences)
-        processors = self.logits_processor  # a LogitsProcessorList is a list and callable: kept as its items
-        processors = tuple(processors) if isinstance(processors, (list, tuple)) else (processors,)
-        if not all(callable(p) for p in processors):
-            raise InvalidRequestError(f"logits_processor must be callables (input_ids, scores) -> scores, such as a"
-                                      f" transformers LogitsProcessorList, got {list(processors)}")
-        object.__setattr__(self, "logits_processor", processors)
+        object.__setattr__(self, "logits_processor", _callables(
+            self.logits_processor, "logits_processor must be callables (input_ids, scores) -> scores, such as a"
+                                   " transformers LogitsProcessorList"))
+        object.__setattr__(self, "stopping_criteria", _callables(
+            self.stopping_criteria, "stopping_criteria must be callables (input_ids, scores) -> bool, such as a"
+                                    " transformers StoppingCriteriaList"))
 
     def token_ids(self) -> set[int]:
         """Every token id the request names (stops, biases, allowed tokens, bad words), for
@@ -143,6 +146,15 @@ class SamplingParams:
         """Whether `adjust_logits` changes anything: a model drafter then drafts with it too."""
         return (self.penalized or bool(self.logit_bias or self.bad_words_ids or self.logits_processor)
                 or self.allowed_token_ids is not None)
+
+
+def _callables(value, message: str) -> tuple:
+    """A callable or a list of them as a tuple; a transformers LogitsProcessorList or
+    StoppingCriteriaList is a list and callable, and is kept as its items."""
+    items = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not all(callable(item) for item in items):
+        raise InvalidRequestError(f"{message}, got {list(items)}")
+    return items
 
 
 def _is_token_id(value) -> bool:

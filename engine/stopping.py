@@ -21,14 +21,18 @@ SLACK_TOKENS = 4  # decoded beyond one token per character of the longest stop s
 class Stopping:
     """The end test of one request: `stop_ids` (EOS and stop_token_ids) and `strings`, whose text
     counts from `output_start` (the prompt's length) on, none of them before `min_tokens` output
-    tokens; `keep_strings`: whether the output's text keeps the stop string that ended it."""
+    tokens; `keep_strings`: whether the output's text keeps the stop string that ended it.
+    `criteria`: a caller's stopping criteria (generate()'s), each called after every output
+    token as generate() calls them, with prompt + output so far as input_ids [1, L] and no
+    scores; as in generate(), min_tokens does not hold them back."""
 
     def __init__(self, stop_ids: set[int], strings: tuple[str, ...], tokenizer, output_start: int,
-                 keep_strings: bool = False, min_tokens: int = 0) -> None:
+                 keep_strings: bool = False, min_tokens: int = 0, criteria: tuple = ()) -> None:
         if strings and tokenizer is None:
             raise InvalidRequestError("stop strings need the engine's tokenizer: pass stop_token_ids instead")
         self.stop_ids, self.strings, self.tokenizer = stop_ids, strings, tokenizer
         self.output_start, self.keep_strings, self.min_tokens = output_start, keep_strings, min_tokens
+        self.criteria = criteria
         self.window = max(map(len, strings), default=0) + SLACK_TOKENS
         self._held_ids: torch.Tensor | None = None
 
@@ -52,8 +56,12 @@ class Stopping:
 
     def end(self, tokens: list[int], start: int) -> int | None:
         """The index of the first token from `start` on that ends the output, or None."""
-        for j in range(max(start, self.output_start + self.min_tokens), len(tokens)):
-            if tokens[j] in self.stop_ids or (self.strings and self._completes_a_string(tokens, j)):
+        ids = torch.tensor([tokens]) if self.criteria else None
+        for j in range(start, len(tokens)):
+            if j >= self.output_start + self.min_tokens and (
+                    tokens[j] in self.stop_ids or (self.strings and self._completes_a_string(tokens, j))):
+                return j
+            if ids is not None and any(bool(torch.as_tensor(met(ids[:, :j + 1], None)).any()) for met in self.criteria):
                 return j
         return None
 

@@ -446,6 +446,8 @@ def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine
         return scores.scatter(1, (input_ids[:, -1:] + 1) % 64, 1e4)
 
     assert batching.generate([1, 2, 3], "x", max_new_tokens=4, logits_processor=count_up).tokens == [4, 5, 6, 7]
+    assert batching.generate([1, 2, 3], "x", max_new_tokens=4, logits_processor=count_up,
+                             stopping_criteria=lambda input_ids, scores: input_ids[0, -1] == 6).tokens == [4, 5, 6]
     with pytest.raises(InvalidRequestError, match=r"out of vocabulary range \(size 64\): \[99\]"):
         batching.generate([1, 2, 3], "x", logit_bias={99: 1.0})  # refused in its caller, before any batch
     with pytest.raises(InvalidRequestError, match="bad_words need the engine's tokenizer"):

@@ -278,6 +278,24 @@ def test_a_verify_calls_the_processors_only_up_to_its_first_rejected_draft(targe
     assert len(calls) == 1 + m.rounds + m.accepted
 
 
+def test_stopping_criteria_end_the_output_where_generate_ends_it(target):
+    """A caller's `stopping_criteria`: the output ends at the first token after which one is met,
+    also inside an accepted draft, as generate(stopping_criteria=...) ends it, on every arm, alone
+    and in a batch (here after 6, 11 and 10 tokens)."""
+    from transformers import StoppingCriteriaList
+
+    def a_multiple_of_nine(input_ids, scores):
+        return input_ids[:, -1] % 9 == 0
+
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=5)
+    free = [hf_greedy(target, p, 20) for p in batch]
+    expected = [hf_greedy(target, p, 20, stopping_criteria=StoppingCriteriaList([a_multiple_of_nine])) for p in batch]
+    assert [len(e) for e in expected] == [6, 11, 10]
+    sampling = SamplingParams(stopping_criteria=StoppingCriteriaList([a_multiple_of_nine]))
+    assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, [(sampling, expected)])
+
+
 def test_bad_words_are_tokenized_as_written_and_after_a_space():
     from transformers import AutoTokenizer
 
@@ -447,6 +465,8 @@ def test_metrics_add_up(engine):
          "logits_processor must be callables"),
         (lambda e: e.generate([1, 2], "small:2", sampling=SamplingParams(logits_processor=lambda ids, s: s[0])),
          r"must return scores of shape \(1, 64\), got torch.Size\(\[64\]\)"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(stopping_criteria=[1])),
+         "stopping_criteria must be callables"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
     ],
 )
