@@ -245,6 +245,11 @@ def none_of_the_last_four(input_ids, scores):
     return scores.scatter(1, input_ids[:, -4:], float("-inf"))
 
 
+def a_multiple_of_nine(input_ids, scores):
+    """A caller's stopping criterion: met after a token id divisible by 9."""
+    return input_ids[:, -1] % 9 == 0
+
+
 def test_logits_processors_are_called_as_generate_calls_them(target):
     """A caller's `logits_processor` (a plain function, then with transformers' no-repeat-n-gram
     class before it): greedy output equal to generate(logits_processor=...), on every arm, alone
@@ -284,15 +289,35 @@ def test_stopping_criteria_end_the_output_where_generate_ends_it(target):
     and in a batch (here after 6, 11 and 10 tokens)."""
     from transformers import StoppingCriteriaList
 
-    def a_multiple_of_nine(input_ids, scores):
-        return input_ids[:, -1] % 9 == 0
-
     engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
     batch = prompts(3, seed=5)
     free = [hf_greedy(target, p, 20) for p in batch]
     expected = [hf_greedy(target, p, 20, stopping_criteria=StoppingCriteriaList([a_multiple_of_nine])) for p in batch]
     assert [len(e) for e in expected] == [6, 11, 10]
     sampling = SamplingParams(stopping_criteria=StoppingCriteriaList([a_multiple_of_nine]))
+    assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, [(sampling, expected)])
+
+
+def test_every_logit_edit_and_end_at_once_act_as_generate_applies_them(target):
+    """Bias, allowed tokens, bad words, repetition penalty, min_tokens, a stop id, a caller's
+    processor and stopping criterion in one request: the same output as generate() with all of
+    them, on every arm, alone and in a batch, so their order is generate()'s."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()})
+    batch = prompts(3, seed=5)
+    free = [hf_greedy(target, p, 20) for p in batch]
+    bias = {t: (3.0 if t % 3 else -2.5) for t in range(1, 64, 4)}
+    allowed = [t for t in range(64) if t % 5]
+    words = [free[0][2:3], free[1][3:5]]
+    expected = [hf_greedy(target, p, 20, eos=10, min_new_tokens=4, sequence_bias={(t,): b for t, b in bias.items()},
+                          prefix_allowed_tokens_fn=lambda _, ids: allowed, bad_words_ids=words, repetition_penalty=1.3,
+                          logits_processor=LogitsProcessorList([none_of_the_last_four]),
+                          stopping_criteria=StoppingCriteriaList([a_multiple_of_nine])) for p in batch]
+    assert [len(e) for e in expected] == [11, 20, 20]
+    sampling = SamplingParams(stop_token_ids=[10], min_tokens=4, logit_bias=bias, allowed_token_ids=allowed,
+                              bad_words_ids=words, repetition_penalty=1.3, logits_processor=[none_of_the_last_four],
+                              stopping_criteria=[a_multiple_of_nine])
     assert_every_arm_decodes_as_one_token_decoding(engine, batch, free, [(sampling, expected)])
 
 
