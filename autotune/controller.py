@@ -84,6 +84,7 @@ class ControlledResult:
     # the decision (also in decision_s). metrics.total_s is the engine's time alone.
     queue_s: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked for (SamplingParams.logprobs)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (SamplingParams.prompt_logprobs)
 
 
 def _sampling(temperature: float, top_p: float, seed: int | None, options: dict) -> SamplingParams:
@@ -224,7 +225,7 @@ class AutotuneController:
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
         request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
-        `ignore_eos`, `min_tokens`, `logprobs`, `repetition_penalty`, `presence_penalty`,
+        `ignore_eos`, `min_tokens`, `logprobs`, `prompt_logprobs`, `repetition_penalty`, `presence_penalty`,
         `frequency_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words`, `bad_words_ids`), and
         generate()'s `logits_processor` and `stopping_criteria`.
         """
@@ -379,7 +380,7 @@ class AutotuneController:
             out.append(ControlledResult(
                 result.text, result.tokens, cls, arm, result.metrics, goodput, reward, decision_s,
                 learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error, engine_started - since,
-                result.logprobs,
+                result.logprobs, result.prompt_logprobs,
             ))
             if self.store is not None:
                 self._record(out[-1], labelled, feats, sp)
@@ -455,7 +456,8 @@ class AutotuneController:
                     served = outcomes[tickets[i]] = ControlledResult(
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
                         off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
-                        *gpu.so_far(), result.fell_back, result.stream_error, began - since, result.logprobs)
+                        *gpu.so_far(), result.fell_back, result.stream_error, began - since, result.logprobs,
+                        result.prompt_logprobs)
                     if self.store is not None:
                         self._record(served, labelled, feats, sp)
                     batch.deliver(tickets[i], served)

@@ -35,7 +35,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
-from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, sample
+from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, prompt_logprobs, sample
 
 if TYPE_CHECKING:
     from engine.engine import GenerationResult
@@ -182,6 +182,7 @@ class Row:
     resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
     seen: int = 0  # tokens the drafter's cache holds for this row
     logprobs: list[dict[int, float]] | None = None  # per output token since it joined, if asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # if asked for (a paused request's: its own)
     done: bool = False
     joined_s: float = 0.0  # engine seconds into the batch's run when the row joined it
 
@@ -296,9 +297,13 @@ class BatchRun:
         # A paused request's last token is the one its next round feeds (the cache holds all
         # but the last token), so it resumes drawing exactly where it stopped.
         ids, live = _block([r.tokens[:-1] if r.resumes else r.tokens for r in rows], self.target.device, right=True)
-        logits = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)[:, -1]
+        asked = [r.resumes is None and r.sampling.prompt_logprobs is not None for r in rows]
+        every = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=not any(asked))
+        logits = every[:, -1]
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
+            if asked[b]:  # rows are right-aligned: the prompt is the row's last positions
+                r.prompt_logprobs = prompt_logprobs(every[b, -len(r.tokens):], r.tokens, r.sampling.prompt_logprobs)
             if r.resumes is None:
                 first, r.logprobs = commit(logits[b:b + 1], r.tokens, [], None, r.sampling, r.stopping, r.generator)
                 r.tokens += first

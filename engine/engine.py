@@ -23,7 +23,7 @@ from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, 
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, commit, probabilities, sample
+from engine.sampling import SamplingParams, commit, probabilities, prompt_logprobs, sample
 from engine.schedule import ConstantK, KSchedule
 from engine.stopping import Stopping
 from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
@@ -165,6 +165,7 @@ class GenerationResult:
     stream_error: str | None = None  # the request's streamer raised: the output stops there
     rest: BatchRequest | None = None  # paused (`generate`'s `pause`): what finishes it in a batch
     logprobs: list[dict[int, float]] | None = None  # per output token, with SamplingParams.logprobs
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
@@ -425,8 +426,10 @@ class SpeculativeEngine:
         start = self._sync()
 
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
-        logits = self.runner.begin(ids, max_length)
+        logits = self.runner.begin(ids, max_length, 1 if sampling.prompt_logprobs is None else 0)
         tokens = ids.tolist()
+        if sampling.prompt_logprobs is not None:
+            result.prompt_logprobs = prompt_logprobs(logits, tokens, sampling.prompt_logprobs)
         first, logprobs = commit(logits[-1:], tokens, [], None, sampling, stopping, generator)
         tokens += first
         if drafter is not None:
@@ -712,6 +715,7 @@ class BatchSession:
             text = None if tokenizer is None else row.stopping.text(tokenizer.decode(tokens, skip_special_tokens=True))
             result = GenerationResult(tokens, self.arm, m, text, fell_back, error)
             result.logprobs = logprobs
+            result.prompt_logprobs = row.resumes.prompt_logprobs if row.resumes is not None else row.prompt_logprobs
             ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
             result.stream_error = row.stream_error or ended
             self.results[i] = result

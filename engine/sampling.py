@@ -32,7 +32,8 @@ class SamplingParams:
     ends the output (transformers' min_new_tokens: the target cannot pick a stop token there).
     `logprobs` N: each output token's log-probability and those of the N likeliest tokens at its
     position, under the target's raw distribution (vLLM's default), from the forward that
-    verified it (`token_logprobs`). Penalties (`adjust_logits`), greedy or sampled:
+    verified it (`token_logprobs`); `prompt_logprobs` N: the same for every prompt token after
+    the first (vLLM's: the list starts with None), from the prefill. Penalties (`adjust_logits`), greedy or sampled:
     `repetition_penalty` on every token of prompt and output (transformers' and vLLM's),
     `presence_penalty` and `frequency_penalty` on the output's tokens (OpenAI's and vLLM's).
     Before the penalties, `allowed_token_ids` (vLLM's) leaves only those tokens possible,
@@ -62,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -84,8 +86,10 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be None or an int in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be None or an int in 0..{MAX_LOGPROBS}, got {value}")
         if not self.repetition_penalty > 0:
             raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -275,6 +279,13 @@ def log_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     """The target's raw log-probabilities [n, V] for a request that asked for logprobs, else None;
     taken before anything (min_tokens) edits the logits."""
     return None if params.logprobs is None else torch.log_softmax(logits.float(), dim=-1)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int) -> list[dict[int, float] | None]:
+    """vLLM's prompt_logprobs from the prefill's `logits` [len(prompt), V]: None for the first
+    token, then each token's log-probability given the ones before it, and the `top` likeliest."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    return [None, *token_logprobs(logp, prompt[1:], top)]
 
 
 def token_logprobs(logp: torch.Tensor, chosen: list[int], top: int) -> list[dict[int, float]]:

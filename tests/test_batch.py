@@ -113,10 +113,10 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
     """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
     its random stream goes on), the stream (the prompt once, every token once, ended once) and
-    the counts over both parts and its logprobs are the request's own; the batch's metrics count
-    its own work."""
+    the counts over both parts and its logprobs and prompt logprobs are the request's own; the
+    batch's metrics count its own work."""
     prompt, other = prompts(2, seed=31)
-    for sampling in (SamplingParams(logprobs=1), SamplingParams(1.0, top_p=0.9, seed=7, logprobs=1)):
+    for sampling in (SamplingParams(logprobs=1, prompt_logprobs=1), SamplingParams(1.0, top_p=0.9, seed=7, logprobs=1)):
         alone = engine.generate(prompt, arm, 24, sampling)
         asked, streamer = [0], Recorder()
 
@@ -128,11 +128,16 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
         assert head.rest is not None and 3 <= len(head.tokens) < 24 and streamer.ends == 0
         assert head.tokens == alone.tokens[:len(head.tokens)]
         session = engine.open_batch(arm)
-        session.add([BatchRequest(other, 10, SamplingParams(seed=1)), head.rest])
+        session.add([BatchRequest(other, 10, SamplingParams(seed=1, prompt_logprobs=0)), head.rest])
         while session.live_rows:
             session.step()
         out = session.close()
         assert out[1].tokens == alone.tokens, (arm, sampling)
+        assert out[1].prompt_logprobs == alone.prompt_logprobs  # from its own prefill, before the pause
+        own = engine.generate(other, "off", 1, SamplingParams(prompt_logprobs=0)).prompt_logprobs[1:]
+        assert [list(e) for e in out[0].prompt_logprobs[1:]] == [list(e) for e in own]  # beside a resumed row
+        assert torch.allclose(torch.tensor([v for e in out[0].prompt_logprobs[1:] for v in e.values()]),
+                              torch.tensor([v for e in own for v in e.values()]), atol=1e-4)
         assert [list(e) for e in out[1].logprobs] == [list(e) for e in alone.logprobs]
         assert torch.allclose(torch.tensor([v for e in out[1].logprobs for v in e.values()]),
                               torch.tensor([v for e in alone.logprobs for v in e.values()]), atol=1e-4)

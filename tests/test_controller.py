@@ -441,6 +441,8 @@ def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine
         ctl.generate_batch([[1, 2, 3]] * 2, "x", best_of=2)
     batching = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=4)
     assert batching.generate([1, 2, 3], "x", max_new_tokens=4, allowed_token_ids=[5]).tokens == [5] * 4
+    prompt_logprobs = batching.generate([1, 2, 3], "x", max_new_tokens=2, prompt_logprobs=0).prompt_logprobs
+    assert prompt_logprobs[0] is None and [list(e) for e in prompt_logprobs[1:]] == [[2], [3]]
 
     def count_up(input_ids, scores):
         return scores.scatter(1, (input_ids[:, -1:] + 1) % 64, 1e4)

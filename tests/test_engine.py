@@ -358,6 +358,27 @@ def test_logprobs_are_the_targets_own_for_every_output_token(target):
     assert engine.generate(batch[0], "self:8", 5).logprobs is None  # only when asked for
 
 
+def test_prompt_logprobs_are_the_targets_own_for_every_prompt_token(target):
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then each one's and the 2
+    likeliest tokens' log-probabilities given the tokens before it, alone and in a batch of
+    prompts of different lengths (rows padded on the left)."""
+    engine = SpeculativeEngine(target, {"ngram": NGramDrafter()})
+    batch = prompts(3, seed=3)
+    sampling = SamplingParams(prompt_logprobs=2)
+    alone = [engine.generate(p, "ngram:4", 8, sampling) for p in batch]
+    together = engine.generate_batch(batch, "ngram:4", 8, [sampling] * 3).results
+    assert len({len(p) for p in batch}) == 3
+    for p, r in zip(batch * 2, alone + together):
+        with torch.no_grad():
+            logp = torch.log_softmax(target(torch.tensor([p])).logits[0, :-1], -1)
+        assert len(r.prompt_logprobs) == len(p) and r.prompt_logprobs[0] is None
+        for j, (token, entry) in enumerate(zip(p[1:], r.prompt_logprobs[1:])):
+            assert set(entry) == {token, *logp[j].topk(2).indices.tolist()}
+            assert torch.allclose(torch.tensor(list(entry.values())), logp[j, list(entry)], atol=1e-4)
+    assert [r.tokens for r in alone] == [r.tokens for r in together]
+    assert engine.generate(batch[0], "ngram:4", 5).prompt_logprobs is None  # only when asked for
+
+
 def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
     """vLLM's `stop`: the output ends at the token whose text completes a stop string (kept), also
     inside an accepted draft, alone and in a batch; the engine looks only at the last tokens'
