@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from sklearn.linear_model import LogisticRegression
 
-FEATURES = ("prompt_tokens", "max_new_tokens", "temperature", "top_p", "ngram_overlap")
+FEATURES = ("prompt_tokens", "max_new_tokens", "temperature", "top_p", "ngram_overlap", "edits_logits")
 
 
 def _matrix(rows: list[dict]) -> np.ndarray:

@@ -240,7 +240,7 @@ class AutotuneController:
             self.engine.check_request(len(ids), OFF, max_new_tokens, sampling)  # not in a batch it would have broken up
             classified = request_class is None
             if classified:
-                request_class = self._classify(request_features(ids, max_new_tokens, temperature, top_p))
+                request_class = self._classify(request_features(ids, max_new_tokens, sampling))
             group = None if self.mix_classes else request_class
             return self._coalescer.submit(group, (ids, request_class, classified, max_new_tokens, sampling, ends,
                                                   arrived))
@@ -332,7 +332,7 @@ class AutotuneController:
         batch of this one request; it pauses when requests of its group arrive, and finishes in
         a continuous batch with them (`_serve_continuous`)."""
         ids = [self.engine.encode(p).tolist() for p in prompts]
-        features = [request_features(i, limit, sp.temperature, sp.top_p) for i, limit, sp in zip(ids, limits, sampling)]
+        features = [request_features(i, limit, sp) for i, limit, sp in zip(ids, limits, sampling)]
         load = len(ids)  # what prices a round; requests waiting for the engine do not change it
         started = time.perf_counter()
         if classes[0] is None:
@@ -406,7 +406,7 @@ class AutotuneController:
                 session.add([rest] if rest is not None else
                             [BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
                 for one, cls, was_classified, limit, sp, _, since in items:
-                    requests.append((cls, was_classified, request_features(one, limit, sp.temperature, sp.top_p),
+                    requests.append((cls, was_classified, request_features(one, limit, sp),
                                      sp, since, began))
                 tickets.extend(range(start, start + len(items)))
 
@@ -428,7 +428,7 @@ class AutotuneController:
             started = time.perf_counter()
             coming = batch.waiting()[:self._coalescer.max_batch - 1] if resumed is not None else []
             classes = [cls for _, cls, *_ in first + coming]
-            features = request_features(first[0][0], first[0][3], first[0][4].temperature, first[0][4].top_p)
+            features = request_features(first[0][0], first[0][3], first[0][4])
             context, arm = self._decide(Context(self._key(classes), len(classes), features))
             if resumed is not None and not self._fits(arm, first[0]):
                 arm = OFF  # the paused request goes on in this batch, and OFF takes any request

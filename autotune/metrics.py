@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from engine import SamplingParams
+
 
 def ngram_overlap(ids: list[int], n: int = 3) -> float:
     """Share of the prompt's n-grams seen earlier in the prompt: how repetitive it is."""
@@ -23,13 +25,17 @@ def ngram_overlap(ids: list[int], n: int = 3) -> float:
     return repeats / (len(ids) - n + 1)
 
 
-def request_features(ids: list[int], max_new_tokens: int, temperature: float, top_p: float) -> dict:
+def request_features(ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> dict:
+    """What the classifier and the contextual policy see of a request. `edits_logits` (penalties,
+    bias, allowed tokens, bad words, a caller's processors) changes which arm wins: under a
+    repetition penalty n-gram lookup's repeats are mostly rejected."""
     return {
         "prompt_tokens": len(ids),
         "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
         "ngram_overlap": round(ngram_overlap(ids), 4),
+        "edits_logits": float(sampling.adjusts_logits),
     }
 
 

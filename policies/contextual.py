@@ -24,7 +24,7 @@ from engine import Arm
 from policies.bandits import ArmTable, ThompsonPolicy
 from policies.base import Context, Outcome
 
-FEATURES = ("prompt_tokens", "max_new_tokens", "temperature", "top_p", "ngram_overlap", "load")
+FEATURES = ("prompt_tokens", "max_new_tokens", "temperature", "top_p", "ngram_overlap", "load", "edits_logits")
 HISTORY_KEY = "__contextual_history__"
 MIN_ARM_ROWS = 3  # an arm gets a model once it has this many rewards (measured or estimated)
 
@@ -127,8 +127,9 @@ class ContextualPolicy(ThompsonPolicy):
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
         state = dict(state)
-        # Rows saved before replays' estimates joined the history have no weight: measured, 1.
-        self.history = [(x, arm, reward, *(rest or [1.0])) for x, arm, reward, *rest
+        # Rows saved before replays' estimates joined the history have no weight: measured, 1;
+        # rows saved before a feature was added (at the end of FEATURES) have it as 0.
+        self.history = [(x + [0.0] * (len(FEATURES) - len(x)), arm, reward, *(rest or [1.0])) for x, arm, reward, *rest
                         in state.pop(HISTORY_KEY, {}).get("history", [])]
         super().load_state_dict(state)
         if len(self.history) >= MIN_ARM_ROWS:

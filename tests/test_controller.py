@@ -45,8 +45,9 @@ def test_serves_learns_and_records_every_request(engine, target, tmp_path):
         results = [ctl.generate(p, request_class="code" if i % 2 else "docs", max_new_tokens=12,
                                 **({"temperature": 1.0, "top_k": 1, "seed": i} if i % 3 == 0 else {}))
                    for i, p in enumerate(PROMPTS)]
+        ctl.generate(PROMPTS[0], request_class="code", max_new_tokens=4, repetition_penalty=1.3)
         ctl.close()
-        assert store.count() == len(PROMPTS)
+        assert store.count() == len(PROMPTS) + 1
         rows = store.observations()
     for p, r in zip(PROMPTS, results):
         assert r.tokens == hf_greedy(target, p, 12)  # whatever arm was chosen, output is the target's
@@ -54,6 +55,7 @@ def test_serves_learns_and_records_every_request(engine, target, tmp_path):
     assert {r["request_class"] for r in rows} == {"code", "docs"}
     assert rows[0]["arm"] == "off" and rows[0]["reward"] == pytest.approx(1.0, rel=0.01)
     assert all(r["goodput"] > 0 and r["features"]["prompt_tokens"] > 0 for r in rows)
+    assert [r["features"]["edits_logits"] for r in rows] == [0.0] * len(PROMPTS) + [1.0]  # the penalized one
 
 
 def test_a_batch_is_served_learned_and_recorded_under_its_load(engine, target, tmp_path):

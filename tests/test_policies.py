@@ -214,6 +214,20 @@ def test_contextual_policy_uses_features_for_a_class_it_has_not_seen():
     assert Counter(str(pooled.choose(repetitive)) for _ in range(100))["ngram:3"] < 50
 
 
+def test_contextual_history_saved_before_a_feature_was_added_loads_with_it_as_zero():
+    from policies.contextual import FEATURES, HISTORY_KEY
+
+    state = json.loads(json.dumps(trained_on_overlap().state_dict()))
+    for row in state[HISTORY_KEY]["history"]:
+        row[0] = row[0][:-1]  # as saved before edits_logits joined the features
+    policy = make_policy("contextual", ARMS)
+    policy.load_state_dict(state)
+    assert {len(x) for x, *_ in policy.history} == {len(FEATURES)} and policy.lines is not None
+    repetitive = Context("unseen", features={"ngram_overlap": 0.95})
+    policy.update(repetitive, OFF, Outcome(goodput=100, reward=1.0))
+    assert Counter(str(policy.choose(repetitive)) for _ in range(100))["ngram:3"] >= 85
+
+
 def test_contextual_policy_follows_a_class_whose_own_rewards_contradict_its_features():
     """The feature model is a prior, not a phase: a class where n-gram lookup loses despite
     repetitive prompts leaves ngram:3 within a few requests (it used to play the model's
