@@ -327,32 +327,29 @@ def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_prob
 
 
 class RowByRow:
-    """A verify's rows (greedy: edited logits; sampled: probabilities), each edited when first
-    read. A verify reads rows only up to its first rejected draft, so a caller's logits
-    processors run accepted + 1 times per round rather than K + 1."""
+    """A verify's rows (greedy: edited logits; sampled: probabilities), each edited as it is
+    read; a verify reads each row once, and only up to its first rejected draft, so a caller's
+    logits processors run accepted + 1 times per round rather than K + 1."""
 
     def __init__(self, logits: torch.Tensor, tokens: list[int], draft: list[int], params: SamplingParams,
                  stopping) -> None:
         self._logits, self._tokens, self._draft, self._params, self._stopping = logits, tokens, draft, params, stopping
-        self._rows: dict[int, torch.Tensor] = {}
         self.device = logits.device
 
     def __getitem__(self, j: int) -> torch.Tensor:
-        if j not in self._rows:
-            row = adjust_logits(self._logits[j:j + 1], self._tokens + self._draft[:j], [], self._stopping.output_start,
-                                self._params, self._stopping.hold)[0]
-            self._rows[j] = row if self._params.greedy else probabilities(row, self._params)
-        return self._rows[j]
+        row = adjust_logits(self._logits[j:j + 1], self._tokens + self._draft[:j], [], self._stopping.output_start,
+                            self._params, self._stopping.hold)[0]
+        return row if self._params.greedy else probabilities(row, self._params)
 
 
 def verify_greedy(target_logits: torch.Tensor | RowByRow, draft: list[int]) -> tuple[int, int]:
     """Return (number of draft tokens kept, the target's next token) for K+1 verify logits
     (a tensor: every row's argmax at once, one device sync)."""
     if isinstance(target_logits, RowByRow):
-        n = 0
-        while n < len(draft) and draft[n] == int(target_logits[n].argmax()):
-            n += 1
-        return n, int(target_logits[n].argmax())
+        for n in range(len(draft) + 1):
+            choice = int(target_logits[n].argmax())
+            if n == len(draft) or draft[n] != choice:
+                return n, choice
     choice = target_logits.argmax(-1).tolist()
     n = 0
     while n < len(draft) and draft[n] == choice[n]:
