@@ -225,9 +225,10 @@ class AutotuneController:
         `TextIteratorStreamer`, ...) gets the output round by round and is ended when the
         request is done or fails. `sampling_options`: the other fields of `SamplingParams`, by
         vLLM's names (`top_k`, `min_p`, `stop`, `stop_token_ids`, `include_stop_str_in_output`,
-        `ignore_eos`, `min_tokens`, `logprobs`, `prompt_logprobs`, `repetition_penalty`, `presence_penalty`,
-        `frequency_penalty`, `logit_bias`, `allowed_token_ids`, `bad_words`, `bad_words_ids`), and
-        generate()'s `logits_processor` and `stopping_criteria`.
+        `ignore_eos`, `skip_special_tokens`, `min_tokens`, `logprobs`, `prompt_logprobs`,
+        `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `logit_bias`,
+        `allowed_token_ids`, `bad_words`, `bad_words_ids`), and generate()'s `logits_processor`
+        and `stopping_criteria`.
         """
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None

@@ -512,7 +512,7 @@ class SpeculativeEngine:
         m.new_tokens = len(result.tokens)
         m.total_s = self._sync() - start - m.stream_s
         if self.tokenizer is not None:
-            result.text = stopping.text(self.tokenizer.decode(result.tokens, skip_special_tokens=True))
+            result.text = stopping.text(result.tokens)
         if paused:
             result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator)
         return result
@@ -587,7 +587,8 @@ class SpeculativeEngine:
     def stopping(self, sampling: SamplingParams, output_start: int) -> Stopping:
         """The end test of a request whose output starts at `output_start` (the prompt's length)."""
         return Stopping(self._end_ids(sampling), sampling.stop, self.tokenizer, output_start,
-                        sampling.include_stop_str_in_output, sampling.min_tokens, sampling.stopping_criteria)
+                        sampling.include_stop_str_in_output, sampling.min_tokens, sampling.stopping_criteria,
+                        sampling.skip_special_tokens)
 
     @staticmethod
     def _row_metrics(row: Row) -> GenerationMetrics:
@@ -712,7 +713,7 @@ class BatchSession:
                 if logprobs is not None:
                     logprobs = head.logprobs + logprobs
             tokenizer = self.engine.tokenizer
-            text = None if tokenizer is None else row.stopping.text(tokenizer.decode(tokens, skip_special_tokens=True))
+            text = None if tokenizer is None else row.stopping.text(tokens)
             result = GenerationResult(tokens, self.arm, m, text, fell_back, error)
             result.logprobs = logprobs
             result.prompt_logprobs = row.resumes.prompt_logprobs if row.resumes is not None else row.prompt_logprobs

@@ -50,7 +50,8 @@ class SamplingParams:
     later rejected, so a processor must be a function of `input_ids` (as for generate()'s
     assisted decoding). `stopping_criteria` (generate()'s), such as a transformers
     `StoppingCriteriaList`: the output also ends at the first token after which one of them,
-    called as `(input_ids [1, L], None)`, returns true (see engine/stopping.py)."""
+    called as `(input_ids [1, L], None)`, returns true (see engine/stopping.py).
+    `skip_special_tokens` (vLLM's, default true): the output's text leaves them out."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -73,6 +74,7 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     logits_processor: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...] = ()
     stopping_criteria: tuple[Callable[[torch.Tensor, None], torch.Tensor | bool], ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:

@@ -24,15 +24,18 @@ class Stopping:
     tokens; `keep_strings`: whether the output's text keeps the stop string that ended it.
     `criteria`: a caller's stopping criteria (generate()'s), each called after every output
     token as generate() calls them, with prompt + output so far as input_ids [1, L] and no
-    scores; as in generate(), min_tokens does not hold them back."""
+    scores; as in generate(), min_tokens does not hold them back. `skip_special_tokens`
+    (vLLM's): whether the output's text, where stop strings are looked for, leaves out the
+    tokenizer's special tokens."""
 
     def __init__(self, stop_ids: set[int], strings: tuple[str, ...], tokenizer, output_start: int,
-                 keep_strings: bool = False, min_tokens: int = 0, criteria: tuple = ()) -> None:
+                 keep_strings: bool = False, min_tokens: int = 0, criteria: tuple = (),
+                 skip_special_tokens: bool = True) -> None:
         if strings and tokenizer is None:
             raise InvalidRequestError("stop strings need the engine's tokenizer: pass stop_token_ids instead")
         self.stop_ids, self.strings, self.tokenizer = stop_ids, strings, tokenizer
         self.output_start, self.keep_strings, self.min_tokens = output_start, keep_strings, min_tokens
-        self.criteria = criteria
+        self.criteria, self.skip_special_tokens = criteria, skip_special_tokens
         self.window = max(map(len, strings), default=0) + SLACK_TOKENS
         self._held_ids: torch.Tensor | None = None
 
@@ -49,8 +52,9 @@ class Stopping:
             logits[:held].index_fill_(-1, self._held_ids, float("-inf"))
         return logits
 
-    def text(self, text: str) -> str:
-        """The output's text as its caller gets it: up to the first stop string it holds."""
+    def text(self, tokens: list[int]) -> str:
+        """The text of output `tokens` as its caller gets it: up to the first stop string it holds."""
+        text = self._decode(tokens)
         found = [text.find(s) for s in self.strings if s in text]
         return text if self.keep_strings or not found else text[:min(found)]
 
@@ -67,6 +71,8 @@ class Stopping:
 
     def _completes_a_string(self, tokens: list[int], j: int) -> bool:
         first = max(self.output_start, j - self.window)
-        before = self.tokenizer.decode(tokens[first:j], skip_special_tokens=True)  # as the result's text
-        after = self.tokenizer.decode(tokens[first:j + 1], skip_special_tokens=True)
+        before, after = self._decode(tokens[first:j]), self._decode(tokens[first:j + 1])  # as the result's text
         return any(s in after and s not in before for s in self.strings)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)

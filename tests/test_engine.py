@@ -358,6 +358,22 @@ def test_logprobs_are_the_targets_own_for_every_output_token(target):
     assert engine.generate(batch[0], "self:8", 5).logprobs is None  # only when asked for
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text_and_its_stop_strings():
+    from transformers import AutoTokenizer
+
+    from autotune.zoo import DEFAULT_FAMILY_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    engine = SpeculativeEngine(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
+    special = tokenizer.eos_token
+    only_it = dict(allowed_token_ids=[tokenizer.eos_token_id], ignore_eos=True)
+    assert engine.generate([5, 6], "off", 3, SamplingParams(**only_it)).text == ""
+    assert engine.generate([5, 6], "off", 3, SamplingParams(**only_it, skip_special_tokens=False)).text == special * 3
+    kept = engine.generate([5, 6], "off", 3, SamplingParams(**only_it, stop=[special], skip_special_tokens=False))
+    assert (kept.tokens, kept.text) == ([tokenizer.eos_token_id], "")  # the stop string is found in that text
+    assert len(engine.generate([5, 6], "off", 3, SamplingParams(**only_it, stop=[special])).tokens) == 3
+
+
 def test_prompt_logprobs_are_the_targets_own_for_every_prompt_token(target):
     """vLLM's `prompt_logprobs`: None for the first prompt token, then each one's and the 2
     likeliest tokens' log-probabilities given the tokens before it, alone and in a batch of
