@@ -85,6 +85,7 @@ class ControlledResult:
     queue_s: float = 0.0
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked for (SamplingParams.logprobs)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (SamplingParams.prompt_logprobs)
+    finish_reason: str | None = None  # "stop", "length" or "abort" (GenerationResult.finish_reason)
 
 
 def _sampling(temperature: float, top_p: float, seed: int | None, options: dict) -> SamplingParams:
@@ -381,7 +382,7 @@ class AutotuneController:
             out.append(ControlledResult(
                 result.text, result.tokens, cls, arm, result.metrics, goodput, reward, decision_s,
                 learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error, engine_started - since,
-                result.logprobs, result.prompt_logprobs,
+                result.logprobs, result.prompt_logprobs, result.finish_reason,
             ))
             if self.store is not None:
                 self._record(out[-1], labelled, feats, sp)
@@ -458,7 +459,7 @@ class AutotuneController:
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
                         off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
                         *gpu.so_far(), result.fell_back, result.stream_error, began - since, result.logprobs,
-                        result.prompt_logprobs)
+                        result.prompt_logprobs, result.finish_reason)
                     if self.store is not None:
                         self._record(served, labelled, feats, sp)
                     batch.deliver(tickets[i], served)

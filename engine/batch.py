@@ -184,6 +184,7 @@ class Row:
     logprobs: list[dict[int, float]] | None = None  # per output token since it joined, if asked for
     prompt_logprobs: list[dict[int, float] | None] | None = None  # if asked for (a paused request's: its own)
     done: bool = False
+    stopped: bool = False  # done at an end of its own (EOS, stop token or string, criterion), not its length
     joined_s: float = 0.0  # engine seconds into the batch's run when the row joined it
 
     @property
@@ -321,7 +322,8 @@ class BatchRun:
         self.batch.prefill_s += prefill
         self.batch.draft_prefill_s += draft_prefill
         for r, m in zip(rows, metrics):
-            r.done = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None or r.remaining <= 0
+            r.stopped = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None
+            r.done = r.stopped or r.remaining <= 0
             r.joined_s = joined_at
             m.prefill_s, m.draft_prefill_s = prefill, draft_prefill
         first = len(self.rows)
@@ -402,7 +404,7 @@ class BatchRun:
                 r.logprobs += kept_logprobs
             if (end := r.stopping.end(r.tokens, prev)) is not None:
                 del r.tokens[end + 1:]
-                r.done = True
+                r.done = r.stopped = True
             r.done = r.done or r.remaining <= 0
             m = self.metrics[i]
             m.rounds += 1

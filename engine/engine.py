@@ -25,7 +25,7 @@ from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, commit, probabilities, prompt_logprobs, sample
 from engine.schedule import ConstantK, KSchedule
-from engine.stopping import Stopping
+from engine.stopping import Stopping, finish_reason
 from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
 
 
@@ -166,6 +166,9 @@ class GenerationResult:
     rest: BatchRequest | None = None  # paused (`generate`'s `pause`): what finishes it in a batch
     logprobs: list[dict[int, float]] | None = None  # per output token, with SamplingParams.logprobs
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
+    # vLLM's and OpenAI's: "stop" (the model's EOS, a stop token or string, a stopping criterion),
+    # "length" (max_new_tokens reached), "abort" (its streamer raised); None while paused (`rest`).
+    finish_reason: str | None = None
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
@@ -444,7 +447,8 @@ class SpeculativeEngine:
             now = self._streamed(m, now)
 
         k = arm.k
-        done = stopping.end(tokens, len(tokens) - 1) is not None or result.stream_error is not None
+        stopped = stopping.end(tokens, len(tokens) - 1) is not None
+        done = stopped or result.stream_error is not None
         paused = False
         while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
             remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
@@ -485,7 +489,7 @@ class SpeculativeEngine:
             self.runner.truncate(len(tokens) - 1)
             if (end := stopping.end(tokens, prev)) is not None:  # an EOS inside an accepted draft ends it there
                 del tokens[end + 1:]
-                done = True
+                done = stopped = True
             if draft:
                 m.drafted += len(draft)
                 m.draft_steps += len(draft)
@@ -515,6 +519,8 @@ class SpeculativeEngine:
             result.text = stopping.text(result.tokens)
         if paused:
             result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator)
+        else:
+            result.finish_reason = finish_reason(stopped, result.stream_error)
         return result
 
     @torch.inference_mode()
@@ -719,6 +725,7 @@ class BatchSession:
             result.prompt_logprobs = row.resumes.prompt_logprobs if row.resumes is not None else row.prompt_logprobs
             ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
             result.stream_error = row.stream_error or ended
+            result.finish_reason = finish_reason(row.stopped, result.stream_error)
             self.results[i] = result
             out.append((i, result))
         self._run.finished = []

@@ -76,3 +76,9 @@ class Stopping:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens)
+
+
+def finish_reason(stopped: bool, stream_error: str | None) -> str:
+    """vLLM's and OpenAI's name for why an output ended: "abort" if its streamer raised (the
+    client went away), "stop" at an end of its own, else "length" (max_new_tokens)."""
+    return "abort" if stream_error is not None else "stop" if stopped else "length"

@@ -126,6 +126,7 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
 
         head = engine.generate(prompt, arm, 24, sampling, streamer=streamer, pause=pause)
         assert head.rest is not None and 3 <= len(head.tokens) < 24 and streamer.ends == 0
+        assert head.finish_reason is None  # not finished: paused
         assert head.tokens == alone.tokens[:len(head.tokens)]
         session = engine.open_batch(arm)
         session.add([BatchRequest(other, 10, SamplingParams(seed=1, prompt_logprobs=0)), head.rest])
@@ -133,6 +134,7 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
             session.step()
         out = session.close()
         assert out[1].tokens == alone.tokens, (arm, sampling)
+        assert out[1].finish_reason == alone.finish_reason == "length"
         assert out[1].prompt_logprobs == alone.prompt_logprobs  # from its own prefill, before the pause
         own = engine.generate(other, "off", 1, SamplingParams(prompt_logprobs=0)).prompt_logprobs[1:]
         assert [list(e) for e in out[0].prompt_logprobs[1:]] == [list(e) for e in own]  # beside a resumed row

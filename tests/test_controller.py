@@ -191,11 +191,12 @@ def test_concurrent_requests_are_coalesced_into_batches_and_a_bad_one_fails_alon
             assert sorted(results) == list(range(7)) and list(errors) == [7]
             assert results[4].request_class == "code"
             assert "exceeds the target's context" in str(errors[7])
-            assert results.pop(4).tokens == stopped
+            assert results[4].finish_reason == "stop" and results.pop(4).tokens == stopped
             assert [list(e) for e in results[2].logprobs] == [[t] for t in results[2].tokens]
             assert results[0].logprobs is None
             for i, r in results.items():  # each its own length and class, greedy ones the target's own output
                 assert len(r.tokens) == 6 + i and r.request_class == ("code" if i % 2 == 0 else "chat")
+                assert r.finish_reason == "length"
                 if i not in (1, 3):
                     assert r.tokens == hf_greedy(target, PROMPTS[i], 6 + i)
             # served together and keyed on that load: batches of both classes, or one batch per class

@@ -138,8 +138,12 @@ def test_a_request_stops_at_its_own_stop_token_ids_inside_an_accepted_draft(targ
             free = [engine.generate(p, arm, 30, sampling).tokens for p in batch]
             expected = [f[:f.index(stop) + 1] if stop in f else f for f in free]
             assert expected != free  # the stop ends at least one request early
-            assert [engine.generate(p, arm, 30, stopping).tokens for p in batch] == expected, arm
-            assert [r.tokens for r in engine.generate_batch(batch, arm, 30, [stopping] * 3)] == expected, arm
+            reasons = ["stop" if stop in f else "length" for f in free]  # vLLM's finish_reason
+            alone = [engine.generate(p, arm, 30, stopping) for p in batch]
+            assert [r.tokens for r in alone] == expected and [r.finish_reason for r in alone] == reasons, arm
+            together = engine.generate_batch(batch, arm, 30, [stopping] * 3)
+            assert [r.tokens for r in together] == expected, arm
+            assert [r.finish_reason for r in together] == reasons, arm
     with pytest.raises(InvalidRequestError, match="stop_token_ids must be token ids"):
         SamplingParams(stop_token_ids=[-1])
 

@@ -180,6 +180,7 @@ def test_a_streamer_that_raises_stops_only_its_own_request(engine, target, tmp_p
         assert out.results[i].tokens == hf_greedy(target, batch[i], 20) and out.results[i].stream_error is None
     stopped = out.results[1]
     assert "ConnectionResetError: client went away" in stopped.stream_error
+    assert [r.finish_reason for r in out.results] == ["length", "abort", "length", "length"]
     # It keeps what was decoded up to the round whose put failed; the client got the rounds before.
     assert stopped.tokens == hf_greedy(target, batch[1], 20)[: len(stopped.tokens)] and len(stopped.tokens) < 20
     assert streamers[1].output == stopped.tokens[: len(streamers[1].output)] != []
@@ -190,6 +191,7 @@ def test_a_streamer_that_raises_stops_only_its_own_request(engine, target, tmp_p
         gone = GoneAway(fail_at=2)
         alone = ctl.generate(batch[0], request_class="code", max_new_tokens=20, streamer=gone)
         assert "went away" in alone.stream_error and alone.tokens == hf_greedy(target, batch[0], 20)[:1]
+        assert alone.finish_reason == "abort"
         results = ctl.generate_batch(batch, request_class="code", max_new_tokens=20,
                                      streamers=[GoneAway(3), None, None, None])
         assert "went away" in results[0].stream_error
