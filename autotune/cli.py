@@ -1,4 +1,4 @@
-"""`autotune`: demo, tune, inspect, bench (engine, lossless, arms, controller, decisions, ...), zoo train.
+"""`autotune`: demo, serve, tune, inspect, bench (engine, lossless, arms, controller, ...), zoo train.
 
 Exit codes: 0 success, 1 failure while running, 2 bad usage or bad input, 3 missing or
 unreadable store.
@@ -67,6 +67,47 @@ def cmd_demo(args) -> None:
 
     result = run_demo(args.db, args.family, args.device, args.requests, args.policy, args.seed)
     _emit(result, args.json)
+
+
+def _serving_engine(args):
+    """The family's engine, or `--target` with its `--drafter NAME=PATH`s and n-gram lookup."""
+    if not args.target:
+        return _engine(args)
+    import torch
+
+    from engine import NGramDrafter, SpeculativeEngine
+
+    drafters = {}
+    for spec in args.drafter or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--drafter takes NAME=PATH, got {spec!r}")
+        drafters[name] = path
+    drafters.setdefault("ngram", NGramDrafter(max_ngram=3))
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return SpeculativeEngine(args.target, drafters, device=args.device, dtype=dtype, compile=args.compile)
+
+
+def cmd_serve(args) -> None:
+    from autotune.classifier import RequestClassifier
+    from autotune.controller import AutotuneController
+    from autotune.server import CompletionServer
+    from store import Store
+
+    engine = _serving_engine(args)
+    name = args.served_model_name or (Path(args.target).name if args.target else "spec-autotune")
+    with Store(args.db, label="serve") as store, AutotuneController(
+            engine, store, policy=args.policy, max_batch=args.max_batch,
+            classifier=RequestClassifier.from_store(store)) as controller:  # classes of the store's labelled history
+        server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose)
+        print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
+              f" batches of up to {args.max_batch}); store {store.url}; Ctrl-C stops", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            print("stopping: what the controller learned is saved")
+        finally:
+            server.server_close()
 
 
 def cmd_inspect(args) -> None:
@@ -244,6 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="ucb")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    p = common(sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) over the controller"),
+               engine=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--policy", default="ucb")
+    p.add_argument("--max-batch", type=int, default=16, help="requests served together at most (1: one at a time)")
+    p.add_argument("--target", help="a local Hugging Face model folder to serve instead of the family")
+    p.add_argument("--drafter", action="append", metavar="NAME=PATH", help="with --target: a drafter model folder")
+    p.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
+    p.add_argument("--verbose", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=cmd_serve)
 
     p = common(sub.add_parser("inspect", help="per-class table of what a policy learned"), engine=False)
     p.add_argument("--policy", help="policy name (default: the one saved last)")

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible server, over HTTP, on a tiny model with the family's tokenizer."""
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from conftest import tiny_llama
+from transformers import AutoTokenizer
+
+from autotune.controller import AutotuneController
+from autotune.server import CompletionServer
+from autotune.zoo import DEFAULT_FAMILY_DIR
+from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
+from store import Store
+
+PROMPTS = ["def parse(argv):\n", "import os\nimport sys\n", "class Reader:\n    "]
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    target = tiny_llama(0, vocab=len(tokenizer))
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, tokenizer=tokenizer)
+    controller = AutotuneController(engine, policy="ucb", arms=[OFF, Arm("self", 3), Arm("ngram", 4)], max_batch=4,
+                                    batch_wait_ms=50, min_baseline_steps=4)
+    server = CompletionServer(controller, ("127.0.0.1", 0), "tiny")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield engine, f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def post(base: str, body) -> tuple[int, dict | list[dict]]:
+    """The status and the JSON body, or for a stream the list of its events (`[DONE]` last)."""
+    request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            text = response.read().decode()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    if response.headers["Content-Type"] != "text/event-stream":
+        return status, json.loads(text)
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    return status, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def alone(engine, prompt, max_tokens, **options):
+    return engine.generate(prompt, "off", max_tokens, SamplingParams(**options))
+
+
+def test_a_completion_is_the_targets_own_output_with_what_the_controller_chose(served):
+    engine, base = served
+    assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}
+    assert [m["id"] for m in json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"]] == ["tiny"]
+    status, body = post(base, {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0,
+                               "request_class": "code"})
+    expected = alone(engine, PROMPTS[0], 20)
+    assert status == 200 and body["object"] == "text_completion"
+    [choice] = body["choices"]
+    assert choice["text"] == expected.text and choice["finish_reason"] == "length"
+    assert choice["autotune"]["request_class"] == "code" and choice["autotune"]["arm"] in ("off", "self:3", "ngram:4")
+    assert body["usage"] == {"prompt_tokens": expected.metrics.prompt_tokens, "completion_tokens": 20,
+                             "total_tokens": expected.metrics.prompt_tokens + 20}
+
+
+def test_a_stream_adds_up_to_the_completion_and_holds_back_a_stop_string(served):
+    """The deltas never show text the final output leaves out: the stop string is cut, so the
+    stream holds back any tail that could begin it."""
+    engine, base = served
+    free = alone(engine, PROMPTS[1], 40).text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    expected = alone(engine, PROMPTS[1], 40, stop=[stop])
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    body = {"prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "stop": stop}
+    status, events = post(base, {**body, "stream": True, "stream_options": {"include_usage": True}, "echo": True})
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-2]]
+    assert "".join(c["text"] for c in chunks) == PROMPTS[1] + expected.text
+    assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
+    assert all(stop not in "".join(c["text"] for c in chunks[:i]) for i in range(len(chunks)))
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == len(expected.tokens)
+    assert post(base, body)[1]["choices"][0]["text"] == expected.text
+
+
+def test_n_choices_per_prompt_draw_from_seed_plus_their_index(served):
+    engine, base = served
+    status, body = post(base, {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 12, "temperature": 1.0, "seed": 5})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    expected = [alone(engine, p, 12, temperature=1.0, seed=5 + j).text for p in PROMPTS[:2] for j in range(2)]
+    assert [c["text"] for c in body["choices"]] == expected and expected[0] != expected[1]
+    prompt_tokens = sum(len(engine.encode(p)) for p in PROMPTS[:2])
+    assert body["usage"]["prompt_tokens"] == prompt_tokens and body["usage"]["completion_tokens"] == 48
+
+
+def test_logprobs_and_echo_are_openais_legacy_object(served):
+    engine, base = served
+    ids = engine.encode(PROMPTS[2]).tolist()
+    status, body = post(base, {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True})
+    expected = alone(engine, ids, 6, logprobs=2, prompt_logprobs=2)
+    choice = body["choices"][0]
+    assert status == 200 and choice["text"] == engine.tokenizer.decode(ids) + expected.text
+    logprobs = choice["logprobs"]
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["tokens"]) == len(ids) + 6
+    entries = expected.prompt_logprobs[1:] + expected.logprobs
+    assert logprobs["token_logprobs"][1:] == pytest.approx([e[t] for e, t in zip(entries, ids[1:] + expected.tokens)],
+                                                           abs=1e-4)
+    assert all(2 <= len(top) <= 3 for top in logprobs["top_logprobs"][1:])
+    assert logprobs["text_offset"][1] == len(logprobs["tokens"][0])
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": []}, 400, "prompt is required"),
+    ({"max_tokens": 4}, 400, "prompt is required"),
+    ({"prompt": "x", "top_q": 0.5}, 400, "unknown field(s) ['top_q']"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
+    ({"prompt": "x", "n": True}, 400, "n must be an integer"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+    ({"prompt": "x", "top_k": "5"}, 400, "top_k must be an integer"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias must map token ids"),
+    ({"prompt": "x", "best_of": 3}, 400, "best_of other than n"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
+    ({"prompt": "x", "stream": True, "logprobs": 1}, 400, "logprobs are not streamed"),
+    ({"prompt": "x" * 300, "max_tokens": 8}, 400, "exceeds the target's context"),
+    ({"prompt": [1, 2, 99999]}, 400, "out of vocabulary"),
+    ({"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
+    ([1, 2], 400, "the body must be a JSON object"),
+])
+def test_bad_requests_get_openais_error_body_naming_the_problem(served, body, status, words):
+    got, error = post(served[1], body)
+    assert got == status and words in error["error"]["message"]
+    assert error["error"]["type"] == "invalid_request_error" and error["error"]["code"] == status
+
+
+def test_concurrent_clients_are_batched_and_each_gets_its_own_output(served):
+    engine, base = served
+    bodies = [{"prompt": PROMPTS[i % 3], "max_tokens": 10 + i, "temperature": 0} for i in range(6)]
+    got = [None] * len(bodies)
+    start = threading.Barrier(len(bodies))
+
+    def client(i):
+        start.wait()
+        got[i] = post(base, bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [c[1]["choices"][0]["text"] for c in got] == [alone(engine, b["prompt"], b["max_tokens"]).text
+                                                         for b in bodies]
+    assert max(c[1]["choices"][0]["autotune"]["load"] for c in got) > 1  # some were served together
+
+
+def test_text_deltas_hold_back_a_tail_that_could_begin_a_stop_string(served):
+    """One token per put, a stop string that begins in one token and ends in the next: the
+    deltas sent before the end never include its beginning, and with the result's text they
+    add up to that text."""
+    import queue
+
+    import torch
+
+    from autotune.server import TextDeltas
+
+    engine, _ = served
+    tokens = alone(engine, PROMPTS[0], 40).tokens
+    decode = engine.tokenizer.decode
+    stop = a_stop_across_two_tokens(decode, tokens)
+    final = alone(engine, PROMPTS[0], 40, stop=[stop])
+    assert final.finish_reason == "stop"
+    events = queue.Queue()
+    deltas = TextDeltas(0, events, threading.Event(), engine.tokenizer, {"stop": (stop,)})
+    deltas.put(torch.tensor([engine.encode(PROMPTS[0]).tolist()]))
+    for token in final.tokens:
+        deltas.put(torch.tensor([token]))
+    sent = "".join(events.get()[2] for _ in range(events.qsize()))
+    assert final.text.startswith(sent) and sent + deltas.rest(final.text) == final.text
+    gone = threading.Event()
+    gone.set()
+    with pytest.raises(ConnectionResetError):
+        TextDeltas(0, events, gone, engine.tokenizer, {}).put(torch.tensor([[1]]))
+
+
+def a_stop_across_two_tokens(decode, tokens: list[int]) -> str:
+    """Three characters, no space among them: the last two of one token's text, the first of the next's."""
+    for k in range(3, len(tokens) - 1):
+        head, tail = decode(tokens[:k]), decode(tokens[:k + 1])
+        if len(tail) > len(head) and tail.startswith(head):
+            stop = head[-2:] + tail[len(head)]
+            if len(stop) == 3 and not any(c.isspace() for c in stop) and stop not in head:
+                return stop
+    raise AssertionError("no such stop string in this output")
+
+
+def test_autotune_serve_serves_a_local_model_folder_until_interrupted_and_saves_what_it_learned(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    tiny_llama(0, vocab=len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    url = f"sqlite:///{tmp_path / 'serve.db'}"
+    server = subprocess.Popen([sys.executable, "-m", "autotune.cli", "serve", "--target", str(tmp_path / "model"),
+                               "--drafter", f"self={tmp_path / 'model'}", "--port", "0", "--db", url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = server.stdout.readline()
+        assert "serving 'model' at http://127.0.0.1:" in banner, server.stderr.read()
+        base = banner.split(" at ")[1].split("/v1")[0]
+        status, body = post(base, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "request_class": "code"})
+        assert status == 200 and body["model"] == "model" and len(body["choices"][0]["text"]) > 0
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+    with Store(url) as store:
+        [observation] = store.observations()
+    assert observation["request_class"] == "code" and observation["new_tokens"] == 8
