@@ -286,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 
-    p = common(sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions) over the controller"),
-               engine=True)
+    p = common(sub.add_parser("serve", help="an OpenAI-compatible server over the controller (/v1/completions,"
+                                            " /v1/chat/completions)"))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--policy", default="ucb")

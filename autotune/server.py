@@ -1,175 +1,50 @@
 """An OpenAI-compatible HTTP server in front of the controller: `autotune serve`.
 
-Clients written for vLLM, SGLang or OpenAI's API send `POST /v1/completions` and get the
-controller's output, with the arm and request class it chose in each choice's `autotune`
-field. Each HTTP request is handled on a thread of its own and each of its choices (its
-prompts times `n`) is one `controller.generate` call, on a thread of its own too, so choices
-and requests that arrive together are batched by the controller's coalescer (`max_batch`).
+Clients written for vLLM, SGLang or OpenAI's API send `POST /v1/completions` or
+`/v1/chat/completions` (fields: openai_api.py) and get the controller's output, with the arm
+and request class it chose in each choice's `autotune` field. Each HTTP request is handled on
+a thread of its own and each of its choices (its prompts times `n`) is one
+`controller.generate` call, on a thread of its own too, so choices and requests that arrive
+together are batched by the controller's coalescer (`max_batch`). Anything refused (an
+unknown field, a value of the wrong type, an empty prompt, one longer than the context, ...)
+gets OpenAI's error body naming the problem before anything is decoded or streamed.
 Standard library only (http.server): nothing new to install and nothing in the decode loop.
-
-Fields are OpenAI's legacy completions (`prompt` as text, token ids or a list of either,
-`max_tokens` (default 16), `temperature` (default 1), `top_p`, `n`, `stop`, `seed`,
-`logprobs`, `echo`, `presence_penalty`, `frequency_penalty`, `logit_bias`, `stream`,
-`stream_options.include_usage`, `user`), vLLM's extra sampling fields (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`) and this
-project's `request_class`. With a `seed`, choice j of a prompt draws from `seed + j`, so choice
-0 is the request's output with `n` = 1. An unknown field, a value of the wrong type and
-anything the engine refuses (an empty prompt, one longer than the context, ...) get a 400 with
-OpenAI's error body naming the problem, before anything is decoded or streamed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from autotune.controller import AutotuneController, ControlledResult
+from autotune.openai_api import (
+    ApiRequest,
+    BadRequest,
+    chunk_choice,
+    envelope,
+    parse_chat,
+    parse_completion,
+    prompt_text,
+    response_choice,
+    usage,
+)
 from engine import OFF, InvalidRequestError, SamplingParams
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's
-OPENAI_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "echo",
-                 "presence_penalty", "frequency_penalty", "logit_bias", "stream", "stream_options", "user", "best_of",
-                 "suffix")
-VLLM_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
-               "ignore_eos": bool, "stop_token_ids": list, "include_stop_str_in_output": bool,
-               "skip_special_tokens": bool, "allowed_token_ids": list, "bad_words": (str, list)}
-FIELDS = (*OPENAI_FIELDS, *VLLM_FIELDS, "request_class")
 _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whitespace, a half character
 
 
-class BadRequest(Exception):
-    """A request the server refuses: HTTP `status` with OpenAI's error body."""
-
-    def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A /v1/completions body, checked. `options`: the controller's keyword arguments."""
-
-    prompts: tuple[str | tuple[int, ...], ...]
-    n: int = 1
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    logprobs: int | None = None
-    request_class: str | None = None
-    options: dict = field(default_factory=dict)
-
-    def choices(self) -> list[tuple[int, str | tuple[int, ...], int | None]]:
-        """(prompt index, prompt, seed) per choice, in the response's order."""
-        return [(i, prompt, None if self.seed is None else self.seed + j)
-                for i, prompt in enumerate(self.prompts) for j in range(self.n)]
-
-
-def _get(body: dict, name: str, kinds: type | tuple[type, ...], default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise BadRequest(f"{name} must be {_kind_names(kinds)}, got {value!r}", name)
-    if not isinstance(value, kinds):
-        raise BadRequest(f"{name} must be {_kind_names(kinds)}, got {value!r}", name)
-    return value
-
-
-def _kind_names(kinds) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object"}
-    return " or ".join(names[k] for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
-
-
-def _prompts(value) -> tuple[str | tuple[int, ...], ...]:
-    """OpenAI's four prompt forms: text, token ids, a list of texts, a list of token id lists."""
-    def ids(items) -> tuple[int, ...]:
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
-        return tuple(items)
-
-    if isinstance(value, str):
-        return (value,)
-    if not isinstance(value, list) or not value:
-        raise BadRequest("prompt is required: a string, a list of token ids, or a non-empty list of either", "prompt")
-    if all(isinstance(p, str) for p in value):
-        return tuple(value)
-    if all(isinstance(p, list) for p in value):
-        return tuple(ids(p) for p in value)
-    return (ids(value),)
-
-
-def parse_completion(body) -> Completion:
-    """Check a /v1/completions body; every refusal names the field."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    if unknown := sorted(set(body) - set(FIELDS)):
-        raise BadRequest(f"unknown field(s) {unknown}; this server takes: {sorted(FIELDS)}", unknown[0])
-    if "prompt" not in body:
-        raise BadRequest("prompt is required", "prompt")
-    if body.get("suffix") is not None:
-        raise BadRequest("suffix is not supported (no fill-in-the-middle)", "suffix")
-    n = _get(body, "n", int, 1)
-    if n < 1:
-        raise BadRequest(f"n must be >= 1, got {n}", "n")
-    best_of = _get(body, "best_of", int, n)
-    if best_of != n:
-        raise BadRequest(f"best_of other than n is not supported (as in vLLM V1), got {best_of} with n={n}", "best_of")
-    stop = _get(body, "stop", (str, list), ())
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
-    logprobs = _get(body, "logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise BadRequest(f"logprobs must be in 0..20, got {logprobs}", "logprobs")
-    echo = _get(body, "echo", bool, False)
-    stream = _get(body, "stream", bool, False)
-    if stream and logprobs is not None:
-        raise BadRequest("logprobs are not streamed: ask for them without stream", "logprobs")
-    max_tokens = _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
-    if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    options = {"stop": stop, "presence_penalty": _get(body, "presence_penalty", (int, float), 0.0),
-               "frequency_penalty": _get(body, "frequency_penalty", (int, float), 0.0)}
-    if logprobs is not None:
-        options["logprobs"] = logprobs
-        if echo:
-            options["prompt_logprobs"] = logprobs
-    bias = _get(body, "logit_bias", dict, {})
-    try:
-        options["logit_bias"] = {int(token): float(value) for token, value in bias.items()}
-    except (TypeError, ValueError):
-        raise BadRequest("logit_bias must map token ids to numbers", "logit_bias") from None
-    for name, kinds in VLLM_FIELDS.items():
-        if body.get(name) is not None:
-            options[name] = _get(body, name, kinds)
-    stream_options = _get(body, "stream_options", dict, {})
-    return Completion(
-        prompts=_prompts(body["prompt"]), n=n, max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
-        seed=_get(body, "seed", int), stream=stream,
-        include_usage=bool(stream_options.get("include_usage", False)), echo=echo, logprobs=logprobs,
-        request_class=_get(body, "request_class", str), options=options,
-    )
-
-
 class CompletionServer(ThreadingHTTPServer):
-    """`/v1/completions`, `/v1/models` and `/health` over `controller`, as `model_name`."""
+    """`/v1/completions`, `/v1/chat/completions`, `/v1/models` and `/health` over `controller`,
+    as `model_name`."""
 
     daemon_threads = True
 
@@ -178,73 +53,32 @@ class CompletionServer(ThreadingHTTPServer):
         if controller.engine.tokenizer is None:
             raise ValueError("the server needs the engine's tokenizer (text in, text out)")
         self.controller, self.model_name, self.verbose = controller, model_name, verbose
+        self.tokenizer = controller.engine.tokenizer
         self.created = int(time.time())
         super().__init__(address, _Handler)
 
-    def check(self, completion: Completion) -> None:
-        """Refuse now what the controller would refuse once decoding, so that a streamed request
-        gets its 400 too (the controller checks again)."""
+    def admit(self, request: ApiRequest) -> tuple[ApiRequest, list[list[int]]]:
+        """The request with its length settled, and its prompts' token ids, or the refusal the
+        controller would give once decoding (so that a streamed request gets its 400 too)."""
         engine = self.controller.engine
-        options = {k: v for k, v in completion.options.items() if k != "bad_words"}
-        sampling = SamplingParams(completion.temperature, completion.top_p, completion.seed, **options)
-        for prompt in completion.prompts:
-            engine.check_request(engine.encode(list(prompt) if isinstance(prompt, tuple) else prompt).numel(), OFF,
-                                 completion.max_tokens, sampling)
+        ids = [engine.encode(list(p) if isinstance(p, tuple) else p).tolist() for p in request.prompts]
+        if request.max_tokens is None:  # a chat's default: what the context leaves
+            if engine.max_length is None:
+                raise BadRequest("max_tokens is required: the model states no context length", "max_tokens")
+            if (left := engine.max_length - len(ids[0])) < 1:
+                raise BadRequest(f"the prompt ({len(ids[0])} tokens) fills the model's context of"
+                                 f" {engine.max_length} tokens", "messages")
+            request = dataclasses.replace(request, max_tokens=left)
+        sampling = engine.bad_words_as_ids(SamplingParams(request.temperature, request.top_p, request.seed,
+                                                          **request.options))
+        for one in ids:
+            engine.check_request(len(one), OFF, request.max_tokens, sampling)
+        return request, ids
 
-    def serve_choice(self, completion: Completion, prompt, seed: int | None, streamer=None) -> ControlledResult:
-        return self.controller.generate(list(prompt) if isinstance(prompt, tuple) else prompt,
-                                        completion.request_class, completion.max_tokens, completion.temperature,
-                                        completion.top_p, seed, streamer, **completion.options)
-
-    def choice(self, index: int, completion: Completion, prompt, result: ControlledResult) -> dict:
-        """One choice of the response, as OpenAI's completions write it, with the controller's
-        own account of it under `autotune`."""
-        tokenizer = self.controller.engine.tokenizer
-        prompt_ids = list(prompt) if isinstance(prompt, tuple) else tokenizer(prompt, add_special_tokens=False)[
-            "input_ids"]
-        text = result.text
-        logprobs = None
-        if completion.echo:
-            text = self.prompt_text(prompt) + text
-        if completion.logprobs is not None:
-            ids, entries = result.tokens, result.logprobs
-            if completion.echo:
-                ids, entries = prompt_ids + ids, result.prompt_logprobs + entries
-            logprobs = _openai_logprobs(tokenizer, ids, entries)
-        m = result.metrics
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason,
-                "autotune": {"request_class": result.request_class, "arm": str(result.arm),
-                             "acceptance": m.acceptance, "mean_accepted_length": m.mean_accepted_length,
-                             "reward": result.reward, "load": result.load, "fell_back": result.fell_back}}
-
-    def prompt_text(self, prompt) -> str:
-        return self.controller.engine.tokenizer.decode(list(prompt)) if isinstance(prompt, tuple) else prompt
-
-    def envelope(self, request_id: str, choices: list[dict]) -> dict:
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices}
-
-
-def _openai_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float] | None]) -> dict:
-    """OpenAI's legacy logprobs object: each token's text, log-probability (None for the first
-    prompt token), the likeliest tokens' and its offset in the text."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
-    for token, entry in zip(ids, entries):
-        text = tokenizer.decode([token])
-        out["tokens"].append(text)
-        out["token_logprobs"].append(None if entry is None else entry[token])
-        out["top_logprobs"].append(None if entry is None else {tokenizer.decode([t]): lp for t, lp in entry.items()})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
-
-
-def _usage(results: list[ControlledResult], completion: Completion) -> dict:
-    prompt_tokens = sum(r.metrics.prompt_tokens for r in results[::completion.n])  # each prompt once
-    completion_tokens = sum(len(r.tokens) for r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    def serve(self, request: ApiRequest, prompt, seed: int | None, streamer=None) -> ControlledResult:
+        return self.controller.generate(list(prompt) if isinstance(prompt, tuple) else prompt, request.request_class,
+                                        request.max_tokens, request.temperature, request.top_p, seed, streamer,
+                                        **request.options)
 
 
 class TextDeltas:
@@ -254,11 +88,10 @@ class TextDeltas:
     it) and a half-decoded character. The rest comes from the result's text, which is final.
     It raises once `gone` is set (the client went away), which stops its request."""
 
-    def __init__(self, index: int, events: queue.Queue, gone: threading.Event, tokenizer,
-                 sampling: dict) -> None:
+    def __init__(self, index: int, events: queue.Queue, gone: threading.Event, tokenizer, options: dict) -> None:
         self.index, self.events, self.gone, self.tokenizer = index, events, gone, tokenizer
-        self.stops = () if sampling.get("include_stop_str_in_output") else sampling.get("stop", ())
-        self.skip_special = sampling.get("skip_special_tokens", True)
+        self.stops = () if options.get("include_stop_str_in_output") else options.get("stop", ())
+        self.skip_special = options.get("skip_special_tokens", True)
         self.tokens: list[int] | None = None  # None until the prompt's put
         self.sent = ""
 
@@ -301,106 +134,120 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json({"object": "list", "data": [{"id": self.server.model_name, "object": "model",
                                                            "created": self.server.created,
                                                            "owned_by": "spec-autotune"}]})
-        self._error(BadRequest(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND))
+        self._json(BadRequest(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND).body(), HTTPStatus.NOT_FOUND)
 
     def do_POST(self) -> None:
         try:
-            if self.path != "/v1/completions":
-                raise BadRequest(f"no route POST {self.path}; this server has /v1/completions",
-                                 status=HTTPStatus.NOT_FOUND)
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"the body is not valid JSON: {exc}") from None
-            completion = parse_completion(body)
-            model = body.get("model")
-            if model is not None and model != self.server.model_name:
-                raise BadRequest(f"the model {model!r} does not exist; this server has {self.server.model_name!r}",
-                                 "model", HTTPStatus.NOT_FOUND)
-            self.server.check(completion)
+            request, ids = self._read()
         except BadRequest as exc:
-            return self._error(exc)
-        except InvalidRequestError as exc:
-            return self._error(BadRequest(str(exc)))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        if completion.stream:
-            return self._stream(request_id, completion)
+            return self._json(exc.body(), exc.status)
+        prefix = "chatcmpl" if request.chat else "cmpl"
+        self.request_id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        if request.stream:
+            return self._stream(request)
         try:
-            results = self._serve_all(completion)
+            results = self._serve_all(request)
         except InvalidRequestError as exc:
-            return self._error(BadRequest(str(exc)))
+            return self._json(BadRequest(str(exc)).body(), HTTPStatus.BAD_REQUEST)
         except Exception as exc:
-            return self._error(BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
-        choices = [self.server.choice(i, completion, prompt, r)
-                   for i, ((_, prompt, _), r) in enumerate(zip(completion.choices(), results))]
-        self._json({**self.server.envelope(request_id, choices), "usage": _usage(results, completion)})
+            failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
+            return self._json(failure.body(), failure.status)
+        rows = request.choices()
+        choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
+                   for i, ((prompt, _), result) in enumerate(zip(rows, results))]
+        self._json({**self._envelope(request, choices), "usage": usage(results, request)})
 
-    def _serve_all(self, completion: Completion) -> list[ControlledResult]:
+    def _read(self) -> tuple[ApiRequest, list[list[int]]]:
+        parsers = {"/v1/completions": parse_completion,
+                   "/v1/chat/completions": lambda body: parse_chat(body, self.server.tokenizer)}
+        if self.path not in parsers:
+            raise BadRequest(f"no route POST {self.path}; this server has {sorted(parsers)}",
+                             status=HTTPStatus.NOT_FOUND)
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the body is not valid JSON: {exc}") from None
+        request = parsers[self.path](body)
+        if (model := body.get("model")) is not None and model != self.server.model_name:
+            raise BadRequest(f"the model {model!r} does not exist; this server has {self.server.model_name!r}",
+                             "model", HTTPStatus.NOT_FOUND)
+        try:
+            return self.server.admit(request)
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _serve_all(self, request: ApiRequest) -> list[ControlledResult]:
         """Every choice, each a request to the controller on a thread of its own."""
-        rows = completion.choices()
-        if len(rows) == 1:
-            return [self.server.serve_choice(completion, rows[0][1], rows[0][2])]
+        rows = request.choices()
         results: list = [None] * len(rows)
 
         def serve(i: int) -> None:
             try:
-                results[i] = self.server.serve_choice(completion, rows[i][1], rows[i][2])
+                results[i] = self.server.serve(request, *rows[i])
             except Exception as exc:
                 results[i] = exc
 
-        _run_threads(serve, len(rows))
+        if len(rows) == 1:
+            serve(0)
+        else:
+            threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(len(rows))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
         if failed := next((r for r in results if isinstance(r, Exception)), None):
             raise failed
         return results
 
-    def _stream(self, request_id: str, completion: Completion) -> None:
-        """Server-sent events as OpenAI's stream: a chunk per text delta, each choice's last with
-        its finish_reason, the usage if asked for, then `data: [DONE]`."""
-        rows = completion.choices()
+    def _stream(self, request: ApiRequest) -> None:
+        """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
+        with its finish_reason, the usage if asked for, then `data: [DONE]`."""
+        rows = request.choices()
         events: queue.Queue = queue.Queue()
         gone = threading.Event()
-        tokenizer = self.server.controller.engine.tokenizer
-        deltas = [TextDeltas(i, events, gone, tokenizer, completion.options) for i in range(len(rows))]
+        deltas = [TextDeltas(i, events, gone, self.server.tokenizer, request.options) for i in range(len(rows))]
 
         def serve(i: int) -> None:
             try:
-                events.put(("done", i, self.server.serve_choice(completion, rows[i][1], rows[i][2], deltas[i])))
+                events.put(("done", i, self.server.serve(request, *rows[i], deltas[i])))
             except Exception as exc:
                 events.put(("failed", i, exc))
 
-        workers = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(len(rows))]
-        for worker in workers:
-            worker.start()
+        for i in range(len(rows)):
+            threading.Thread(target=serve, args=(i,), daemon=True).start()
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         results: dict[int, ControlledResult] = {}
         try:
-            if completion.echo:
-                for i, (_, prompt, _) in enumerate(rows):
-                    self._event(self.server.envelope(request_id, [_delta(i, self.server.prompt_text(prompt))]))
-            for _ in range(len(rows)):
+            for i, (prompt, _) in enumerate(rows):
+                if request.chat or request.echo:  # a chat's turn opens; an echo starts with the prompt
+                    text = prompt_text(prompt, self.server.tokenizer) if request.echo else ""
+                    self._event(self._envelope(request, [chunk_choice(i, request, text, first=True)], chunk=True))
+            while len(results) < len(rows):
                 kind, i, payload = events.get()
-                while kind == "text":
-                    self._event(self.server.envelope(request_id, [_delta(i, payload)]))
-                    kind, i, payload = events.get()
-                if kind == "failed":
-                    status = 400 if isinstance(payload, InvalidRequestError) else 500
-                    self._event({"error": {"message": f"{type(payload).__name__}: {payload}", "type":
-                                           "invalid_request_error" if status == 400 else "internal_error",
-                                           "param": None, "code": status}})
-                    continue
-                results[i] = payload
-                self._event(self.server.envelope(request_id, [_delta(i, deltas[i].rest(payload.text),
-                                                                     payload.finish_reason)]))
-            if completion.include_usage and len(results) == len(rows):
-                ordered = [results[i] for i in range(len(rows))]
-                self._event({**self.server.envelope(request_id, []), "usage": _usage(ordered, completion)})
+                if kind == "text":
+                    self._event(self._envelope(request, [chunk_choice(i, request, payload)], chunk=True))
+                elif kind == "done":
+                    results[i] = payload
+                    last = chunk_choice(i, request, deltas[i].rest(payload.text), payload.finish_reason)
+                    self._event(self._envelope(request, [last], chunk=True))
+                else:
+                    status = HTTPStatus.BAD_REQUEST if isinstance(payload, InvalidRequestError) else \
+                        HTTPStatus.INTERNAL_SERVER_ERROR
+                    self._event(BadRequest(f"{type(payload).__name__}: {payload}", status=status).body())
+                    results[i] = None
+            served = [results[i] for i in range(len(rows))]
+            if request.include_usage and None not in served:
+                self._event({**self._envelope(request, [], chunk=True), "usage": usage(served, request)})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:  # the client went away: its requests stop at their next round
             gone.set()
+
+    def _envelope(self, request: ApiRequest, choices: list[dict], chunk: bool = False) -> dict:
+        return envelope(request, self.request_id, self.server.model_name, self.created, choices, chunk)
 
     def _event(self, payload: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
@@ -413,20 +260,3 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-
-    def _error(self, exc: BadRequest) -> None:
-        kind = "invalid_request_error" if exc.status < 500 else "internal_error"
-        self._json({"error": {"message": str(exc), "type": kind, "param": exc.param, "code": int(exc.status)}},
-                   exc.status)
-
-
-def _delta(index: int, text: str, finish_reason: str | None = None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-
-def _run_threads(work, count: int) -> None:
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()

@@ -19,11 +19,16 @@ from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
 from store import Store
 
 PROMPTS = ["def parse(argv):\n", "import os\nimport sys\n", "class Reader:\n    "]
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": [
+    {"type": "text", "text": "Parse "}, {"type": "text", "text": "argv."}]}]
 
 
 @pytest.fixture(scope="module")
 def served():
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    tokenizer.chat_template = TEMPLATE  # the family has none
     target = tiny_llama(0, vocab=len(tokenizer))
     engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, tokenizer=tokenizer)
     controller = AutotuneController(engine, policy="ucb", arms=[OFF, Arm("self", 3), Arm("ngram", 4)], max_batch=4,
@@ -36,9 +41,9 @@ def served():
     server.server_close()
 
 
-def post(base: str, body) -> tuple[int, dict | list[dict]]:
+def post(base: str, body, path: str = "/v1/completions") -> tuple[int, dict | list[dict]]:
     """The status and the JSON body, or for a stream the list of its events (`[DONE]` last)."""
-    request = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+    request = urllib.request.Request(base + path, json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request) as response:
@@ -139,6 +144,56 @@ def test_bad_requests_get_openais_error_body_naming_the_problem(served, body, st
     got, error = post(served[1], body)
     assert got == status and words in error["error"]["message"]
     assert error["error"]["type"] == "invalid_request_error" and error["error"]["code"] == status
+
+
+def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_stream(served):
+    engine, base = served
+    prompt = "<system>Write Python.\n<user>Parse argv.\n<assistant>"
+    expected = alone(engine, prompt, 12, logprobs=2)
+    status, body = post(base, {"messages": CHAT, "max_completion_tokens": 12, "temperature": 0, "logprobs": True,
+                               "top_logprobs": 2}, "/v1/chat/completions")
+    assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert choice["finish_reason"] == "length" and body["usage"]["prompt_tokens"] == len(engine.encode(prompt))
+    content = choice["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx(
+        [e[t] for e, t in zip(expected.logprobs, expected.tokens)], abs=1e-4)
+    for c, entry in zip(content, expected.logprobs):  # the 2 likeliest, likeliest first
+        best = sorted(entry.values(), reverse=True)[:2]
+        assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx(best, abs=1e-4)
+        assert bytes(c["bytes"]).decode() == c["token"]
+    status, events = post(base, {"messages": CHAT, "max_tokens": 12, "temperature": 0, "stream": True},
+                          "/v1/chat/completions")
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert events[0]["object"] == "chat.completion.chunk" and deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == expected.text
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+    # Without a length, as many tokens as the context leaves (vLLM's default): the tiny target has 256.
+    longest = alone(engine, prompt, 256 - len(engine.encode(prompt)))
+    status, body = post(base, {"messages": CHAT, "temperature": 0}, "/v1/chat/completions")
+    assert body["choices"][0]["message"]["content"] == longest.text and len(longest.tokens) > 16
+    assert body["choices"][0]["finish_reason"] == longest.finish_reason
+
+
+@pytest.mark.parametrize("body, words", [
+    ({}, "messages is required"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content must be a string"),
+    ({"messages": [{"content": "hi"}]}, "messages[0] must be an object with a role"),
+    ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ({"messages": CHAT, "tools": []}, "unknown field(s) ['tools']"),
+    ({"messages": CHAT, "max_tokens": 8, "stream": True, "logprobs": True}, "logprobs are not streamed"),
+])
+def test_bad_chats_are_refused_naming_the_problem(served, body, words):
+    status, error = post(served[1], body, "/v1/chat/completions")
+    assert status == 400 and words in error["error"]["message"]
+
+
+def test_a_chat_needs_a_chat_template():
+    from autotune.openai_api import BadRequest, parse_chat
+
+    with pytest.raises(BadRequest, match="no chat template: send a prompt to /v1/completions"):
+        parse_chat({"messages": CHAT}, AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target"))
 
 
 def test_concurrent_clients_are_batched_and_each_gets_its_own_output(served):

@@ -1,0 +1,275 @@
+"""OpenAI's completion and chat completion bodies: checked into requests for the controller,
+and its results written back in OpenAI's shapes. No HTTP here (that is server.py).
+
+Fields, both endpoints: `max_tokens`, `temperature` (default 1), `top_p`, `n`, `stop`, `seed`,
+`presence_penalty`, `frequency_penalty`, `logit_bias`, `stream`,
+`stream_options.include_usage`, `user`, `model`; vLLM's extra sampling fields (`top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
+`include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`); and
+this project's `request_class`. Completions: `prompt` (text, token ids or a list of either),
+`logprobs` N, `echo`, `max_tokens` 16 by default (OpenAI's). Chat: `messages` through the
+tokenizer's chat template, `logprobs` true with `top_logprobs` N, `max_completion_tokens`,
+and by default as many tokens as the context leaves (vLLM's). With a `seed`, choice j of a
+prompt draws from `seed + j`, so choice 0 is the output the request gets with `n` = 1. Every
+refusal names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from autotune.controller import ControlledResult
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's, for completions
+MAX_LOGPROBS = 20  # OpenAI's
+VLLM_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
+               "ignore_eos": bool, "stop_token_ids": list, "include_stop_str_in_output": bool,
+               "skip_special_tokens": bool, "allowed_token_ids": list, "bad_words": (str, list)}
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "stream", "stream_options", "user", "request_class", *VLLM_FIELDS)
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix")
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "logprobs", "top_logprobs", "max_completion_tokens")
+
+
+class BadRequest(Exception):
+    """A request refused: HTTP `status`, OpenAI's error body naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "internal_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": int(self.status)}}
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A checked body. `max_tokens` None: as many as the context leaves. `logprobs`: how many of
+    the likeliest tokens to show per token (None: no logprobs). `options`: the controller's
+    other keyword arguments."""
+
+    prompts: tuple[str | tuple[int, ...], ...]
+    chat: bool = False
+    n: int = 1
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    request_class: str | None = None
+    options: dict = field(default_factory=dict)
+
+    def choices(self) -> list[tuple[str | tuple[int, ...], int | None]]:
+        """(prompt, seed) per choice, in the response's order."""
+        return [(prompt, None if self.seed is None else self.seed + j)
+                for prompt in self.prompts for j in range(self.n)]
+
+
+def _kinds(kinds) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _get(body: dict, name: str, kinds, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _kinds(kinds)):
+        names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+                 dict: "an object"}
+        raise BadRequest(f"{name} must be {' or '.join(names[k] for k in _kinds(kinds))}, got {value!r}", name)
+    return value
+
+
+def _check_fields(body, known: tuple[str, ...]) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    if unknown := sorted(set(body) - set(known)):
+        raise BadRequest(f"unknown field(s) {unknown}; this endpoint takes: {sorted(known)}", unknown[0])
+
+
+def _prompts(value) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four prompt forms: text, token ids, a list of texts, a list of token id lists."""
+    def ids(items) -> tuple[int, ...]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+        return tuple(items)
+
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list) or not value:
+        raise BadRequest("prompt is required: a string, a list of token ids, or a non-empty list of either", "prompt")
+    if all(isinstance(p, str) for p in value):
+        return tuple(value)
+    if all(isinstance(p, list) for p in value):
+        return tuple(ids(p) for p in value)
+    return (ids(value),)
+
+
+def _messages(value) -> list[dict]:
+    """Chat messages with text content (a string, or OpenAI's list of text parts, joined)."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest("messages is required: a non-empty list of {role, content}", "messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | None, chat: bool,
+            echo: bool = False) -> ApiRequest:
+    n = _get(body, "n", int, 1)
+    if n < 1:
+        raise BadRequest(f"n must be >= 1, got {n}", "n")
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    stream = _get(body, "stream", bool, False)
+    if stream and logprobs is not None:
+        raise BadRequest("logprobs are not streamed: ask for them without stream", "logprobs")
+    stop = _get(body, "stop", (str, list), ())
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a string or a list of strings", "stop")
+    options = {"stop": stop, "presence_penalty": _get(body, "presence_penalty", (int, float), 0.0),
+               "frequency_penalty": _get(body, "frequency_penalty", (int, float), 0.0)}
+    if logprobs is not None:
+        options["logprobs"] = logprobs
+        if echo:
+            options["prompt_logprobs"] = logprobs
+    try:
+        options["logit_bias"] = {int(token): float(bias) for token, bias in _get(body, "logit_bias", dict, {}).items()}
+    except (TypeError, ValueError):
+        raise BadRequest("logit_bias must map token ids to numbers", "logit_bias") from None
+    for name, kinds in VLLM_FIELDS.items():
+        if body.get(name) is not None:
+            options[name] = _get(body, name, kinds)
+    return ApiRequest(
+        prompts=prompts, chat=chat, n=n, max_tokens=max_tokens,
+        temperature=float(_get(body, "temperature", (int, float), 1.0)),
+        top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int), stream=stream,
+        include_usage=bool(_get(body, "stream_options", dict, {}).get("include_usage", False)), echo=echo,
+        logprobs=logprobs, request_class=_get(body, "request_class", str), options=options,
+    )
+
+
+def parse_completion(body) -> ApiRequest:
+    """Check a /v1/completions body."""
+    _check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise BadRequest("prompt is required", "prompt")
+    if body.get("suffix") is not None:
+        raise BadRequest("suffix is not supported (no fill-in-the-middle)", "suffix")
+    n = _get(body, "n", int, 1)
+    if (best_of := _get(body, "best_of", int, n)) != n:
+        raise BadRequest(f"best_of other than n is not supported (as in vLLM V1), got {best_of} with n={n}", "best_of")
+    logprobs = _get(body, "logprobs", int)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
+    return _common(body, _prompts(body["prompt"]), _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs,
+                   chat=False, echo=_get(body, "echo", bool, False))
+
+
+def parse_chat(body, tokenizer) -> ApiRequest:
+    """Check a /v1/chat/completions body; its messages become one prompt through the
+    tokenizer's chat template, with the assistant's turn opened."""
+    _check_fields(body, CHAT_FIELDS)
+    messages = _messages(body.get("messages"))
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("this model's tokenizer has no chat template: send a prompt to /v1/completions", "messages")
+    try:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the template's own check (e.g. roles that must alternate)
+        raise BadRequest(f"the chat template refused these messages: {exc}", "messages") from None
+    top = _get(body, "top_logprobs", int)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise BadRequest(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top}", "top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if _get(body, "logprobs", bool, False) else None
+    max_tokens = _get(body, "max_completion_tokens", int, _get(body, "max_tokens", int))
+    return _common(body, (prompt,), max_tokens, logprobs, chat=True)
+
+
+def envelope(request: ApiRequest, request_id: str, model: str, created: int, choices: list[dict],
+             chunk: bool = False) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if request.chat else "text_completion"
+    return {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
+
+
+def response_choice(index: int, request: ApiRequest, prompt, prompt_ids: list[int], result: ControlledResult,
+                    tokenizer) -> dict:
+    """One choice of a whole response, with the controller's account of it under `autotune`."""
+    m = result.metrics
+    own = {"request_class": result.request_class, "arm": str(result.arm), "acceptance": m.acceptance,
+           "mean_accepted_length": m.mean_accepted_length, "reward": result.reward, "load": result.load,
+           "fell_back": result.fell_back}
+    if request.chat:
+        logprobs = None if request.logprobs is None else _chat_logprobs(tokenizer, result.tokens, result.logprobs,
+                                                                        request.logprobs)
+        return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
+                "finish_reason": result.finish_reason, "autotune": own}
+    text, ids, entries = result.text, result.tokens, result.logprobs
+    if request.echo:
+        text = prompt_text(prompt, tokenizer) + text
+        ids, entries = prompt_ids + ids, (result.prompt_logprobs or []) + (entries or [])
+    logprobs = None if request.logprobs is None else _completion_logprobs(tokenizer, ids, entries)
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason,
+            "autotune": own}
+
+
+def chunk_choice(index: int, request: ApiRequest, text: str, finish_reason: str | None = None,
+                 first: bool = False) -> dict:
+    """One choice of a streamed chunk: a text delta (a chat's first opens the assistant's turn)."""
+    if not request.chat:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+
+def prompt_text(prompt, tokenizer) -> str:
+    return tokenizer.decode(list(prompt)) if isinstance(prompt, tuple) else prompt
+
+
+def usage(results: list[ControlledResult], request: ApiRequest) -> dict:
+    prompt_tokens = sum(r.metrics.prompt_tokens for r in results[::request.n])  # each prompt once
+    completion_tokens = sum(len(r.tokens) for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _completion_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float] | None]) -> dict:
+    """The legacy object: each token's text, log-probability (None for the first prompt token),
+    the likeliest tokens' and its offset in the text."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for token, entry in zip(ids, entries):
+        text = tokenizer.decode([token])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if entry is None else entry[token])
+        out["top_logprobs"].append(None if entry is None else {tokenizer.decode([t]): lp for t, lp in entry.items()})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float]], top: int) -> dict:
+    """The chat object: per token its text, bytes, log-probability and the `top` likeliest."""
+    def token(t: int, logprob: float) -> dict:
+        text = tokenizer.decode([t])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**token(t, entry[t]), "top_logprobs": [token(u, lp) for u, lp in
+                                                               sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
+                        for t, entry in zip(ids, entries)]}
