@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -102,12 +103,17 @@ def cmd_serve(args) -> None:
         server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose)
         print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
               f" batches of up to {args.max_batch}); store {store.url}; Ctrl-C stops", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: as Ctrl-C
         try:
             server.serve_forever()
         except KeyboardInterrupt:
             print("stopping: what the controller learned is saved")
         finally:
             server.server_close()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_inspect(args) -> None:
@@ -201,6 +207,13 @@ def cmd_bench(args) -> None:
         print(json.dumps(result, indent=2))
         if not result["identical_greedy_outputs"]:
             raise CheckFailed("greedy outputs differ between configurations")
+    elif args.what == "serve":
+        clients, per_client = (4, 2) if args.quick else (args.clients, 4)
+        result = bench.bench_serve(engine, _classes(args), clients, per_client, max_batch=clients,
+                                   rounds=1 if args.quick else 2)
+        print(json.dumps(result, indent=2))
+        if not result["identical_greedy_outputs"]:
+            raise CheckFailed("greedy outputs differ between the server and the controller")
     elif args.what == "replay":
         ks = (2, 4) if args.quick else (1, 2, 4, 8)
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
@@ -312,9 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
-                                            " store, limits, cache, concurrency"))
+                                            " store, limits, cache, concurrency, serve"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
-                                    "limits", "cache", "concurrency"])
+                                    "limits", "cache", "concurrency", "serve"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -334,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench controller: share of arrivals that are a burst served as one batch")
     p.add_argument("--burst-size", type=int, default=16, help="bench controller: requests per burst")
     p.add_argument("--clients", type=int, default=16,
-                   help="bench concurrency: client threads, each sending 4 requests one after another")
+                   help="bench concurrency, serve: client threads, each sending 4 requests one after another")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")

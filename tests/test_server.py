@@ -256,7 +256,7 @@ def a_stop_across_two_tokens(decode, tokens: list[int]) -> str:
     raise AssertionError("no such stop string in this output")
 
 
-def test_autotune_serve_serves_a_local_model_folder_until_interrupted_and_saves_what_it_learned(tmp_path):
+def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what_it_learned(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
     tiny_llama(0, vocab=len(tokenizer)).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
@@ -271,8 +271,22 @@ def test_autotune_serve_serves_a_local_model_folder_until_interrupted_and_saves_
         status, body = post(base, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "request_class": "code"})
         assert status == 200 and body["model"] == "model" and len(body["choices"][0]["text"]) > 0
     finally:
-        server.send_signal(signal.SIGINT)
+        server.send_signal(signal.SIGTERM)  # a service manager's stop (SIGINT is ignored in a background job)
         assert server.wait(timeout=60) == 0
     with Store(url) as store:
         [observation] = store.observations()
     assert observation["request_class"] == "code" and observation["new_tokens"] == 8
+
+
+def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
+    from autotune.bench import bench_serve
+    from autotune.classes import RequestClass
+
+    engine, _ = served
+    classes = {"code": RequestClass("code", "greedy", tuple(PROMPTS), max_new_tokens=12),
+               "chat": RequestClass("chat", "sampled", tuple(PROMPTS), temperature=1.0, max_new_tokens=12)}
+    result = bench_serve(engine, classes, clients=4, requests_per_client=2, max_batch=4, policies=("ucb",), rounds=1,
+                         progress=lambda _: None)
+    assert result["identical_greedy_outputs"] is True and result["greedy_requests_compared"] == 4
+    assert set(result["configs"]) == {"ucb/direct", "ucb/http"} and result["http_vs_direct"]["ucb"] > 0
+    assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in result["configs"].values())
