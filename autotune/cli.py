@@ -200,20 +200,13 @@ def cmd_bench(args) -> None:
                  for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
         result = bench.bench_cache(engine, _classes(args), cases)
         print(json.dumps(result, indent=2))
-    elif args.what == "concurrency":
+    elif args.what in ("concurrency", "serve"):
         clients, per_client = (8, 2) if args.quick else (args.clients, 4)
-        result = bench.bench_concurrency(engine, _classes(args), clients, per_client, max_batch=clients,
-                                         rounds=1 if args.quick else 2)
+        run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
+        result = run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2)
         print(json.dumps(result, indent=2))
         if not result["identical_greedy_outputs"]:
             raise CheckFailed("greedy outputs differ between configurations")
-    elif args.what == "serve":
-        clients, per_client = (4, 2) if args.quick else (args.clients, 4)
-        result = bench.bench_serve(engine, _classes(args), clients, per_client, max_batch=clients,
-                                   rounds=1 if args.quick else 2)
-        print(json.dumps(result, indent=2))
-        if not result["identical_greedy_outputs"]:
-            raise CheckFailed("greedy outputs differ between the server and the controller")
     elif args.what == "replay":
         ks = (2, 4) if args.quick else (1, 2, 4, 8)
         arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]

@@ -1,9 +1,11 @@
-"""What the benchmarks share: turn order, the device's name, a tail percentile, and
-transformers' own `generate()` timed as the reference."""
+"""What the benchmarks share: turn order, the device's name, a tail percentile, client
+threads, and transformers' own `generate()` timed as the reference."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -26,6 +28,30 @@ def device_name(engine: SpeculativeEngine) -> str:
 def p99(values) -> float:
     ordered = sorted(values)
     return round(ordered[int(0.99 * (len(ordered) - 1))], 4)
+
+
+def client_plan(engine: SpeculativeEngine, classes: dict, clients: int, requests_per_client: int) -> list:
+    """Per client, its class and the token ids of its requests: client c sends requests of class
+    c mod len(classes), each client other prompts of it."""
+    names = list(classes)
+    plan = []
+    for c in range(clients):
+        cls = classes[names[c % len(names)]]
+        first = (c // len(names)) * requests_per_client
+        plan.append((cls, [engine.encode(cls.prompts[(first + j) % len(cls.prompts)]).tolist()
+                           for j in range(requests_per_client)]))
+    return plan
+
+
+def run_clients(client: Callable[[int], None], clients: int) -> float:
+    """`client(c)` on a thread per client, all at once; the seconds until the last is done."""
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start
 
 
 def hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, arm: Arm | None, **options):

@@ -4,11 +4,10 @@ time, in static batches, or continuously batched."""
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections import defaultdict
 
-from autotune.bench.common import device_name, p99, rotate
+from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
 from autotune.classes import RequestClass
 from autotune.controller import AutotuneController, default_arms
 from engine import SpeculativeEngine
@@ -47,13 +46,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
     first output token its streamer got; queue, the controller's `queue_s` (until the engine
     began on it).
     """
-    names = list(classes)
-    plan = []  # per client: its class and the token ids of its requests
-    for c in range(clients):
-        cls = classes[names[c % len(names)]]
-        first = (c // len(names)) * requests_per_client
-        plan.append((cls, [engine.encode(cls.prompts[(first + j) % len(cls.prompts)]).tolist()
-                           for j in range(requests_per_client)]))
+    plan = client_plan(engine, classes, clients, requests_per_client)
     arms = default_arms(engine)
     controllers = {}
     for p in policies:
@@ -80,13 +73,7 @@ def bench_concurrency(engine: SpeculativeEngine, classes: dict[str, RequestClass
                     if cls.temperature == 0:
                         greedy[c, j].add(tuple(out.tokens))
 
-            threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-            start = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            s["seconds"] += time.perf_counter() - start
+            s["seconds"] += run_clients(client, clients)
             tokens = sum(row[0] for row in s["served"])
             progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
     out = {}

@@ -10,7 +10,7 @@ import time
 import urllib.request
 from collections import defaultdict
 
-from autotune.bench.common import device_name, p99, rotate
+from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
 from autotune.bench.concurrency import FirstOutput
 from autotune.classes import RequestClass
 from autotune.controller import AutotuneController, default_arms
@@ -47,13 +47,7 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
     by round and keep their controllers across rounds. Greedy texts must be identical in all.
     Latency: from sending a request to having its whole output; time to first token: to its
     first output text."""
-    names = list(classes)
-    plan = []  # per client: its class and the token ids of its requests
-    for c in range(clients):
-        cls = classes[names[c % len(names)]]
-        first = (c // len(names)) * requests_per_client
-        plan.append((cls, [engine.encode(cls.prompts[(first + j) % len(cls.prompts)]).tolist()
-                           for j in range(requests_per_client)]))
+    plan = client_plan(engine, classes, clients, requests_per_client)
     arms = default_arms(engine)
     controllers, servers = {}, {}
     for p in policies:
@@ -88,13 +82,7 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
                         if cls.temperature == 0:
                             greedy[c, j].add(text)
 
-                threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-                start = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                s["seconds"] += time.perf_counter() - start
+                s["seconds"] += run_clients(client, clients)
                 tokens = sum(row[0] for row in s["served"])
                 progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
     finally:
