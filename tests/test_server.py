@@ -290,3 +290,30 @@ def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
     assert result["identical_greedy_outputs"] is True and result["greedy_requests_compared"] == 4
     assert set(result["configs"]) == {"ucb/direct", "ucb/http"} and result["http_vs_direct"]["ucb"] > 0
     assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in result["configs"].values())
+
+
+def test_a_client_that_disconnects_mid_stream_stops_its_request(served, tmp_path):
+    import socket
+    import time
+
+    engine, _ = served
+    with Store(f"sqlite:///{tmp_path / 'gone.db'}") as store:
+        controller = AutotuneController(engine, store, policy="static", arms=[OFF], arm=OFF, max_batch=4)
+        server = CompletionServer(controller, ("127.0.0.1", 0))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.server_port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            received = b""
+            while b"data: {" not in received:  # the stream has begun: the client leaves
+                chunk = client.recv(4096)
+                assert chunk, received
+                received += chunk
+        for _ in range(200):
+            if store.count():
+                break
+            time.sleep(0.05)
+        server.shutdown()
+        server.server_close()
+        [observation] = store.observations()
+    assert "the client went away" in observation["stream_error"] and observation["new_tokens"] < 200
