@@ -37,14 +37,15 @@ from autotune.openai_api import (
     response_choice,
     usage,
 )
+from autotune.prometheus import ServedCounters
 from engine import OFF, InvalidRequestError, SamplingParams
 
 _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whitespace, a half character
 
 
 class CompletionServer(ThreadingHTTPServer):
-    """`/v1/completions`, `/v1/chat/completions`, `/v1/models` and `/health` over `controller`,
-    as `model_name`."""
+    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/metrics` and `/health` over
+    `controller`, as `model_name`."""
 
     daemon_threads = True
 
@@ -55,6 +56,7 @@ class CompletionServer(ThreadingHTTPServer):
         self.controller, self.model_name, self.verbose = controller, model_name, verbose
         self.tokenizer = controller.engine.tokenizer
         self.created = int(time.time())
+        self.counters = ServedCounters()
         super().__init__(address, _Handler)
 
     def admit(self, request: ApiRequest) -> tuple[ApiRequest, list[list[int]]]:
@@ -76,9 +78,15 @@ class CompletionServer(ThreadingHTTPServer):
         return request, ids
 
     def serve(self, request: ApiRequest, prompt, seed: int | None, streamer=None) -> ControlledResult:
-        return self.controller.generate(list(prompt) if isinstance(prompt, tuple) else prompt, request.request_class,
-                                        request.max_tokens, request.temperature, request.top_p, seed, streamer,
-                                        **request.options)
+        try:
+            result = self.controller.generate(list(prompt) if isinstance(prompt, tuple) else prompt,
+                                              request.request_class, request.max_tokens, request.temperature,
+                                              request.top_p, seed, streamer, **request.options)
+        except Exception as exc:
+            self.counters.fail(exc)
+            raise
+        self.counters.observe(result)
+        return result
 
 
 class TextDeltas:
@@ -130,6 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/health":
             return self._json({"status": "ok"})
+        if self.path == "/metrics":
+            return self._send(self.server.counters.render().encode(), "text/plain; version=0.0.4")
         if self.path == "/v1/models":
             return self._json({"object": "list", "data": [{"id": self.server.model_name, "object": "model",
                                                            "created": self.server.created,
@@ -254,9 +264,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _json(self, payload: dict, status: HTTPStatus = HTTPStatus.OK) -> None:
-        data = json.dumps(payload).encode()
+        self._send(json.dumps(payload).encode(), "application/json", status)
+
+    def _send(self, data: bytes, content_type: str, status: HTTPStatus = HTTPStatus.OK) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

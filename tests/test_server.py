@@ -13,6 +13,7 @@ from conftest import tiny_llama
 from transformers import AutoTokenizer
 
 from autotune.controller import AutotuneController
+from autotune.prometheus import ServedCounters
 from autotune.server import CompletionServer
 from autotune.zoo import DEFAULT_FAMILY_DIR
 from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
@@ -317,3 +318,33 @@ def test_a_client_that_disconnects_mid_stream_stops_its_request(served, tmp_path
         server.server_close()
         [observation] = store.observations()
     assert "the client went away" in observation["stream_error"] and observation["new_tokens"] < 200
+
+
+def test_metrics_count_what_was_served_by_class_and_arm_in_prometheus_text(served):
+    engine, _ = served
+    controller = AutotuneController(engine, policy="static", arms=[OFF, Arm("self", 3)], arm=Arm("self", 3))
+    server = CompletionServer(controller, ("127.0.0.1", 0))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        for prompt in PROMPTS[:2]:
+            assert post(base, {"prompt": prompt, "max_tokens": 10, "temperature": 0, "request_class": "code"})[0] == 200
+        assert post(base, {"prompt": "", "request_class": "code"})[0] == 400  # refused before serving: not counted
+        with urllib.request.urlopen(base + "/metrics") as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    prompt_tokens = sum(len(engine.encode(p)) for p in PROMPTS[:2])
+    assert samples['autotune_requests_total{request_class="code",arm="self:3",finish_reason="length"}'] == "2"
+    assert samples['autotune_prompt_tokens_total{request_class="code"}'] == str(prompt_tokens)
+    assert samples['autotune_generation_tokens_total{request_class="code",arm="self:3"}'] == "20"
+    drafted = int(samples['autotune_draft_tokens_total{request_class="code",arm="self:3"}'])
+    assert drafted > 0 and samples['autotune_accepted_tokens_total{request_class="code",arm="self:3"}'] == str(drafted)
+    assert float(samples['autotune_request_seconds_total{request_class="code",arm="self:3"}']) > 0
+    assert "# TYPE autotune_request_errors_total counter" in text
+    counters = ServedCounters()
+    counters.fail(RuntimeError("out of memory"))  # a request that failed while served, by its error's type
+    assert 'autotune_request_errors_total{error="RuntimeError"} 1\n' in counters.render()
