@@ -648,7 +648,8 @@ class AutotuneController:
             prefill_s=m.prefill_s, draft_s=m.draft_s, verify_s=m.verify_s, total_s=m.total_s,
             queue_s=result.queue_s, goodput=result.goodput, reward=result.reward, gpu_util=result.gpu_util,
             gpu_mem_mb=result.gpu_mem_mb, load=result.load, temperature=sampling.temperature,
-            fell_back=result.fell_back, stream_error=result.stream_error, classified=classified,
+            fell_back=result.fell_back, stream_error=result.stream_error, finish_reason=result.finish_reason,
+            classified=classified,
             features=features, engine_identity=self.engine.identity,
         )
 

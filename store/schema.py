@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Base(DeclarativeBase):
@@ -72,6 +72,7 @@ class Observation(Base):
     temperature: Mapped[float] = mapped_column(Float, default=0.0)
     fell_back: Mapped[bool] = mapped_column(Boolean, default=False)
     stream_error: Mapped[str | None] = mapped_column(Text, nullable=True)  # the streamer raised: cut short
+    finish_reason: Mapped[str | None] = mapped_column(String(16), nullable=True)  # stop, length or abort
     classified: Mapped[bool] = mapped_column(Boolean, default=False)  # class predicted, not given
     features: Mapped[dict] = mapped_column(JSON, default=dict)
     engine_identity: Mapped[str] = mapped_column(String(512), default="")
@@ -102,6 +103,13 @@ def _add_queue_and_stream_error(conn) -> None:
         conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {column.type.compile(conn.dialect)}{default}"))
 
 
+def _add_finish_reason(conn) -> None:
+    """2 -> 3: observations record why the output ended (older rows: NULL, not known)."""
+    column = Observation.__table__.c["finish_reason"]
+    conn.execute(text(f"ALTER TABLE {Observation.__tablename__} ADD COLUMN finish_reason"
+                      f" {column.type.compile(conn.dialect)}"))
+
+
 # version -> function(connection) that upgrades a database from that version to the next, inside
 # the transaction that opens the store: a crash midway leaves the old version intact.
-MIGRATIONS: dict = {1: _add_queue_and_stream_error}
+MIGRATIONS: dict = {1: _add_queue_and_stream_error, 2: _add_finish_reason}

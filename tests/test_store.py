@@ -157,21 +157,23 @@ def test_refuses_a_newer_schema_and_leaves_it_untouched(tmp_path):
     assert path.read_bytes() == before
 
 
-def version_1_store(path: Path) -> None:
-    """A store as schema version 1 left it: no queue_s or stream_error, one observation."""
+def older_store(path: Path, version: int) -> None:
+    """A store as schema `version` left it, with one observation: version 2 had no
+    finish_reason, version 1 neither queue_s nor stream_error."""
     with Store(f"sqlite:///{path}") as s:
         s.record(**obs(7))
+    dropped = {2: ["finish_reason"], 1: ["finish_reason", "queue_s", "stream_error"]}[version]
     with sqlite3.connect(path) as conn:
-        conn.execute("ALTER TABLE autotune_observations DROP COLUMN queue_s")
-        conn.execute("ALTER TABLE autotune_observations DROP COLUMN stream_error")
-        conn.execute("UPDATE autotune_meta SET value = '1' WHERE key = 'schema_version'")
+        for column in dropped:
+            conn.execute(f"ALTER TABLE autotune_observations DROP COLUMN {column}")
+        conn.execute(f"UPDATE autotune_meta SET value = '{version}' WHERE key = 'schema_version'")
 
 
 def test_an_older_schema_is_migrated_in_one_transaction(tmp_path, monkeypatch):
     import store.schema
 
     path = tmp_path / "v1.db"
-    version_1_store(path)
+    older_store(path, 1)
     migrate = store.schema.MIGRATIONS[1]
 
     def crash_midway(conn):
@@ -187,14 +189,20 @@ def test_an_older_schema_is_migrated_in_one_transaction(tmp_path, monkeypatch):
         assert "queue_s" not in columns and "stream_error" not in columns
 
     monkeypatch.setitem(store.schema.MIGRATIONS, 1, migrate)
-    with Store(f"sqlite:///{path}") as s:
-        s.record(**obs(8), queue_s=0.25, stream_error="client went away")
+    with Store(f"sqlite:///{path}") as s:  # 1 -> 2 -> 3
+        s.record(**obs(8), queue_s=0.25, stream_error="client went away", finish_reason="abort")
         s.flush()
         old, new = sorted(s.observations(), key=lambda o: o["prompt_tokens"])
-    assert (old["prompt_tokens"], old["queue_s"], old["stream_error"]) == (7, 0.0, None)
-    assert (new["queue_s"], new["stream_error"]) == (0.25, "client went away")
+    assert (old["prompt_tokens"], old["queue_s"], old["stream_error"], old["finish_reason"]) == (7, 0.0, None, None)
+    assert (new["queue_s"], new["stream_error"], new["finish_reason"]) == (0.25, "client went away", "abort")
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("2",)
+        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("3",)
+    path = tmp_path / "v2.db"
+    older_store(path, 2)
+    with Store(f"sqlite:///{path}") as s:  # 2 -> 3
+        s.record(**obs(8), finish_reason="stop")
+        s.flush()
+        assert [o["finish_reason"] for o in sorted(s.observations(), key=lambda o: o["id"])] == [None, "stop"]
 
 
 def test_postgres_when_a_server_is_available():

@@ -201,6 +201,7 @@ def test_a_streamer_that_raises_stops_only_its_own_request(engine, target, tmp_p
     # The store tells a request cut short by its client from one that ended on its own.
     assert [o["new_tokens"] for o in recorded] == [len(r.tokens) for r in [alone, *results]]
     assert [o["stream_error"] for o in recorded] == [alone.stream_error, results[0].stream_error, None, None, None]
+    assert [o["finish_reason"] for o in recorded] == ["abort", "abort", "length", "length", "length"]
 
 
 class Slow(Recorder):
