@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -100,7 +101,8 @@ def cmd_serve(args) -> None:
     with Store(args.db, label="serve") as store, AutotuneController(
             engine, store, policy=args.policy, max_batch=args.max_batch,
             classifier=RequestClassifier.from_store(store)) as controller:  # classes of the store's labelled history
-        server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose)
+        server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
+                                  api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"))
         print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
               f" batches of up to {args.max_batch}); store {store.url}; Ctrl-C stops", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: as Ctrl-C
@@ -301,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="a local Hugging Face model folder to serve instead of the family")
     p.add_argument("--drafter", action="append", metavar="NAME=PATH", help="with --target: a drafter model folder")
     p.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
+    p.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` to /v1/ routes"
+                                      " (default: $AUTOTUNE_API_KEY; none: open)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
 

@@ -40,7 +40,8 @@ class BadRequest(Exception):
         self.param, self.status = param, status
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "internal_error"
+        kind = ("authentication_error" if self.status == HTTPStatus.UNAUTHORIZED else "invalid_request_error"
+                if self.status < 500 else "internal_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": int(self.status)}}
 
 

@@ -14,6 +14,7 @@ Standard library only (http.server): nothing new to install and nothing in the d
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import queue
 import re
@@ -50,10 +51,11 @@ class CompletionServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, controller: AutotuneController, address: tuple[str, int] = ("127.0.0.1", 8000),
-                 model_name: str = "spec-autotune", verbose: bool = False) -> None:
+                 model_name: str = "spec-autotune", verbose: bool = False, api_key: str | None = None) -> None:
         if controller.engine.tokenizer is None:
             raise ValueError("the server needs the engine's tokenizer (text in, text out)")
         self.controller, self.model_name, self.verbose = controller, model_name, verbose
+        self.api_key = api_key  # vLLM's --api-key: /v1/ routes then need `Authorization: Bearer <key>`
         self.tokenizer = controller.engine.tokenizer
         self.created = int(time.time())
         self.counters = ServedCounters()
@@ -135,7 +137,20 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.verbose:
             super().log_message(format, *args)
 
+    def _authorized(self) -> bool:
+        """A /v1/ route needs the server's key when it has one; the answer is sent if not."""
+        key = self.server.api_key
+        if key is None or not self.path.startswith("/v1/") or hmac.compare_digest(
+                self.headers.get("Authorization", ""), f"Bearer {key}"):
+            return True
+        refused = BadRequest("a valid API key is required: send `Authorization: Bearer <key>`",
+                             status=HTTPStatus.UNAUTHORIZED)
+        self._json(refused.body(), refused.status)
+        return False
+
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if self.path == "/health":
             return self._json({"status": "ok"})
         if self.path == "/metrics":
@@ -147,6 +162,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(BadRequest(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND).body(), HTTPStatus.NOT_FOUND)
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         try:
             request, ids = self._read()
         except BadRequest as exc:

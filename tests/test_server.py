@@ -42,10 +42,10 @@ def served():
     server.server_close()
 
 
-def post(base: str, body, path: str = "/v1/completions") -> tuple[int, dict | list[dict]]:
+def post(base: str, body, path: str = "/v1/completions", headers: dict | None = None) -> tuple[int, dict | list[dict]]:
     """The status and the JSON body, or for a stream the list of its events (`[DONE]` last)."""
     request = urllib.request.Request(base + path, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request) as response:
             text = response.read().decode()
@@ -348,3 +348,25 @@ def test_metrics_count_what_was_served_by_class_and_arm_in_prometheus_text(serve
     counters = ServedCounters()
     counters.fail(RuntimeError("out of memory"))  # a request that failed while served, by its error's type
     assert 'autotune_request_errors_total{error="RuntimeError"} 1\n' in counters.render()
+
+
+def test_with_an_api_key_the_v1_routes_need_it(served):
+    engine, _ = served
+    controller = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF)
+    server = CompletionServer(controller, ("127.0.0.1", 0), api_key="sesame")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    body = {"prompt": PROMPTS[0], "max_tokens": 4}
+    try:
+        assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}  # probes need none
+        for headers in (None, {"Authorization": "Bearer open"}, {"Authorization": "sesame"}):
+            status, error = post(base, body, headers=headers)
+            assert status == 401 and error["error"]["type"] == "authentication_error"
+            assert "Authorization: Bearer <key>" in error["error"]["message"]
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(base + "/v1/models")
+        status, answer = post(base, body, headers={"Authorization": "Bearer sesame"})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    finally:
+        server.shutdown()
+        server.server_close()
