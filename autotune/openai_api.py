@@ -7,7 +7,8 @@ Fields, both endpoints: `max_tokens`, `temperature` (default 1), `top_p`, `n`, `
 `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`,
 `include_stop_str_in_output`, `skip_special_tokens`, `allowed_token_ids`, `bad_words`); and
 this project's `request_class`. Completions: `prompt` (text, token ids or a list of either),
-`logprobs` N, `echo`, `max_tokens` 16 by default (OpenAI's). Chat: `messages` through the
+`logprobs` N, `echo`, `max_tokens` 16 by default (OpenAI's; 0 with `echo` and `logprobs` scores
+the prompt alone, as evaluation harnesses ask for log-likelihoods). Chat: `messages` through the
 tokenizer's chat template, `logprobs` true with `top_logprobs` N, `max_completion_tokens`,
 and by default as many tokens as the context leaves (vLLM's). With a `seed`, choice j of a
 prompt draws from `seed + j`, so choice 0 is the output the request gets with `n` = 1. Every
@@ -47,7 +48,8 @@ class BadRequest(Exception):
 
 @dataclass(frozen=True)
 class ApiRequest:
-    """A checked body. `max_tokens` None: as many as the context leaves. `logprobs`: how many of
+    """A checked body. `max_tokens` None: as many as the context leaves; 0: the prompt scored,
+    nothing generated (completions with echo). `logprobs`: how many of
     the likeliest tokens to show per token (None: no logprobs). `options`: the controller's
     other keyword arguments."""
 
@@ -64,6 +66,11 @@ class ApiRequest:
     logprobs: int | None = None
     request_class: str | None = None
     options: dict = field(default_factory=dict)
+
+    @property
+    def decoded_tokens(self) -> int | None:
+        """What the controller decodes: scoring a prompt decodes one token, which is dropped."""
+        return None if self.max_tokens is None else max(self.max_tokens, 1)
 
     def choices(self) -> list[tuple[str | tuple[int, ...], int | None]]:
         """(prompt, seed) per choice, in the response's order."""
@@ -134,9 +141,11 @@ def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | 
     n = _get(body, "n", int, 1)
     if n < 1:
         raise BadRequest(f"n must be >= 1, got {n}", "n")
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     stream = _get(body, "stream", bool, False)
+    if max_tokens == 0 and (not echo or stream or chat):
+        raise BadRequest("max_tokens 0 scores the prompt: it needs echo, and no stream", "max_tokens")
+    if max_tokens is not None and max_tokens < 0:
+        raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
     if stream and logprobs is not None:
         raise BadRequest("logprobs are not streamed: ask for them without stream", "logprobs")
     stop = _get(body, "stop", (str, list), ())
@@ -222,12 +231,14 @@ def response_choice(index: int, request: ApiRequest, prompt, prompt_ids: list[in
         return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
                 "finish_reason": result.finish_reason, "autotune": own}
     text, ids, entries = result.text, result.tokens, result.logprobs
+    finish_reason = result.finish_reason
+    if request.max_tokens == 0:  # the prompt scored: the token decoded with it is not part of the answer
+        text, ids, entries, finish_reason = "", [], [], "length"
     if request.echo:
         text = prompt_text(prompt, tokenizer) + text
         ids, entries = prompt_ids + ids, (result.prompt_logprobs or []) + (entries or [])
     logprobs = None if request.logprobs is None else _completion_logprobs(tokenizer, ids, entries)
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": result.finish_reason,
-            "autotune": own}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "autotune": own}
 
 
 def chunk_choice(index: int, request: ApiRequest, text: str, finish_reason: str | None = None,
@@ -245,7 +256,7 @@ def prompt_text(prompt, tokenizer) -> str:
 
 def usage(results: list[ControlledResult], request: ApiRequest) -> dict:
     prompt_tokens = sum(r.metrics.prompt_tokens for r in results[::request.n])  # each prompt once
-    completion_tokens = sum(len(r.tokens) for r in results)
+    completion_tokens = 0 if request.max_tokens == 0 else sum(len(r.tokens) for r in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

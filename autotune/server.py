@@ -76,13 +76,13 @@ class CompletionServer(ThreadingHTTPServer):
         sampling = engine.bad_words_as_ids(SamplingParams(request.temperature, request.top_p, request.seed,
                                                           **request.options))
         for one in ids:
-            engine.check_request(len(one), OFF, request.max_tokens, sampling)
+            engine.check_request(len(one), OFF, request.decoded_tokens, sampling)
         return request, ids
 
     def serve(self, request: ApiRequest, prompt, seed: int | None, streamer=None) -> ControlledResult:
         try:
             result = self.controller.generate(list(prompt) if isinstance(prompt, tuple) else prompt,
-                                              request.request_class, request.max_tokens, request.temperature,
+                                              request.request_class, request.decoded_tokens, request.temperature,
                                               request.top_p, seed, streamer, **request.options)
         except Exception as exc:
             self.counters.fail(exc)

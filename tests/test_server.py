@@ -122,13 +122,29 @@ def test_logprobs_and_echo_are_openais_legacy_object(served):
     assert logprobs["text_offset"][1] == len(logprobs["tokens"][0])
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_as_evaluation_harnesses_ask(served):
+    """lm-evaluation-harness's log-likelihoods through an OpenAI-compatible server: echo, logprobs,
+    max_tokens 0. The answer is the prompt with each token's log-probability, nothing generated."""
+    engine, base = served
+    ids = engine.encode(PROMPTS[1]).tolist()
+    status, body = post(base, {"prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0})
+    expected = alone(engine, PROMPTS[1], 1, prompt_logprobs=1).prompt_logprobs
+    choice = body["choices"][0]
+    assert status == 200 and choice["text"] == PROMPTS[1] and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["tokens"]) == len(ids)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e[t] for e, t in zip(expected[1:], ids[1:])],
+                                                                     abs=1e-4)
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+
+
 @pytest.mark.parametrize("body, status, words", [
     ({"prompt": ""}, 400, "the prompt is empty"),
     ({"prompt": []}, 400, "prompt is required"),
     ({"max_tokens": 4}, 400, "prompt is required"),
     ({"prompt": "x", "top_q": 0.5}, 400, "unknown field(s) ['top_q']"),
     ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens 0 scores the prompt: it needs echo"),
+    ({"prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens must be >= 0"),
     ({"prompt": "x", "n": True}, 400, "n must be an integer"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
     ({"prompt": "x", "top_k": "5"}, 400, "top_k must be an integer"),
