@@ -41,6 +41,7 @@ from autotune.openai_api import (
 from autotune.prometheus import ServedCounters
 from engine import OFF, InvalidRequestError, SamplingParams
 
+MAX_BODY_BYTES = 32 << 20  # a body is read whole before it is checked
 _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whitespace, a half character
 
 
@@ -174,14 +175,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._stream(request)
         try:
             results = self._serve_all(request)
+            choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
+                       for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
         except InvalidRequestError as exc:
             return self._json(BadRequest(str(exc)).body(), HTTPStatus.BAD_REQUEST)
-        except Exception as exc:
+        except Exception as exc:  # the client gets an answer whatever failed
             failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
             return self._json(failure.body(), failure.status)
-        rows = request.choices()
-        choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
-                   for i, ((prompt, _), result) in enumerate(zip(rows, results))]
         self._json({**self._envelope(request, choices), "usage": usage(results, request)})
 
     def _read(self) -> tuple[ApiRequest, list[list[int]]]:
@@ -190,8 +190,14 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path not in parsers:
             raise BadRequest(f"no route POST {self.path}; this server has {sorted(parsers)}",
                              status=HTTPStatus.NOT_FOUND)
+        length = self.headers.get("Content-Length", "0")
+        if not length.isdigit():
+            raise BadRequest(f"Content-Length must be a number of bytes, got {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            raise BadRequest(f"the body is {length} bytes; this server takes at most {MAX_BODY_BYTES}",
+                             status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+            body = json.loads(self.rfile.read(int(length)) or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
         request = parsers[self.path](body)

@@ -386,3 +386,20 @@ def test_with_an_api_key_the_v1_routes_need_it(served):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize("length, status, words", [
+    ("999999999999", 413, "this server takes at most"),
+    ("ten", 400, "Content-Length must be a number of bytes"),
+])
+def test_a_body_too_large_or_of_no_stated_length_is_refused_before_it_is_read(served, length, status, words):
+    import http.client
+
+    port = int(served[1].rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Length", length)
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == status and words in json.loads(response.read())["error"]["message"]
+    connection.close()
