@@ -157,9 +157,9 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/metrics":
             return self._send(self.server.counters.render().encode(), "text/plain; version=0.0.4")
         if self.path == "/v1/models":
-            return self._json({"object": "list", "data": [{"id": self.server.model_name, "object": "model",
-                                                           "created": self.server.created,
-                                                           "owned_by": "spec-autotune"}]})
+            model = {"id": self.server.model_name, "object": "model", "created": self.server.created,
+                     "owned_by": "spec-autotune", "max_model_len": self.server.controller.engine.max_length}
+            return self._json({"object": "list", "data": [model]})
         self._json(BadRequest(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND).body(), HTTPStatus.NOT_FOUND)
 
     def do_POST(self) -> None:

@@ -65,7 +65,8 @@ def alone(engine, prompt, max_tokens, **options):
 def test_a_completion_is_the_targets_own_output_with_what_the_controller_chose(served):
     engine, base = served
     assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}
-    assert [m["id"] for m in json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"]] == ["tiny"]
+    [model] = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"]
+    assert (model["id"], model["max_model_len"]) == ("tiny", 256)  # vLLM's field: the context length
     status, body = post(base, {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0,
                                "request_class": "code"})
     expected = alone(engine, PROMPTS[0], 20)
