@@ -70,8 +70,9 @@ class BatchCache:
     def slots(self) -> int:
         return self.keep.shape[1]
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, live: torch.Tensor, last_only: bool = False):
-        """Logits for `ids` [B, T] at `positions`; slots where `live` is False are holes from the start."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, live: torch.Tensor, keep: int = 0):
+        """Logits for `ids` [B, T] at `positions`, of the last `keep` of them (0: all); slots where
+        `live` is False are holes from the start."""
         batch, length = ids.shape
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         new = (live[:, None, :] & causal) | torch.eye(length, dtype=torch.bool, device=ids.device)
@@ -83,7 +84,7 @@ class BatchCache:
                      for kind, span in self.spans.items()}
             mask = masks if len(masks) > 1 else masks.popitem()[1]
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._for_attention(mask),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
         self.keep = torch.cat([self.keep, live], dim=1)
         self.position = torch.cat([self.position, positions], dim=1)
         return out.logits
@@ -198,7 +199,7 @@ class BatchDrafter:
     def __init__(self, drafter: ModelDrafter, rows: list[Row]) -> None:
         self.cache = BatchCache(drafter.model, len(rows))
         ids, live = _block([r.tokens[:-1] for r in rows], drafter.model.device, right=True)
-        self.cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=True)
+        self.cache.forward(ids, _positions(live, [0] * len(rows)), live, keep=1)
         for r in rows:
             r.seen = len(r.tokens) - 1
 
@@ -210,7 +211,7 @@ class BatchDrafter:
         drafts: list[list[int]] = [[] for _ in rows]
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
         for i in range(max(ks)):
-            logits = self.cache.forward(ids, positions, live, last_only=True)[:, -1]
+            logits = self.cache.forward(ids, positions, live, keep=1)[:, -1]
             for b, r in enumerate(rows):
                 if i < ks[b] and r.sampling.adjusts_logits:  # drafted as the target will pick (see ModelDrafter)
                     logits[b] = adjust_logits(logits[b:b + 1], r.tokens + drafts[b], [], r.stopping.output_start,
@@ -299,7 +300,10 @@ class BatchRun:
         # but the last token), so it resumes drawing exactly where it stopped.
         ids, live = _block([r.tokens[:-1] if r.resumes else r.tokens for r in rows], self.target.device, right=True)
         asked = [r.resumes is None and r.sampling.prompt_logprobs is not None for r in rows]
-        every = cache.forward(ids, _positions(live, [0] * len(rows)), live, last_only=not any(asked))
+        # Logits at the positions of the longest prompt whose log-probabilities are asked for (rows
+        # x that length x vocabulary), else at the last only.
+        keep = max((len(r.tokens) for r, a in zip(rows, asked) if a), default=1)
+        every = cache.forward(ids, _positions(live, [0] * len(rows)), live, keep=keep)
         logits = every[:, -1]
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
