@@ -143,7 +143,7 @@ def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | 
         raise BadRequest(f"n must be >= 1, got {n}", "n")
     stream = _get(body, "stream", bool, False)
     if max_tokens == 0 and (not echo or stream or chat):
-        raise BadRequest("max_tokens 0 scores the prompt: it needs echo, and no stream", "max_tokens")
+        raise BadRequest("max_tokens 0 scores a prompt: a completion with echo, not streamed", "max_tokens")
     if max_tokens is not None and max_tokens < 0:
         raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
     if stream and logprobs is not None:

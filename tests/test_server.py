@@ -144,7 +144,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_as_evaluation_harnesses_ask(se
     ({"max_tokens": 4}, 400, "prompt is required"),
     ({"prompt": "x", "top_q": 0.5}, 400, "unknown field(s) ['top_q']"),
     ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens 0 scores the prompt: it needs echo"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens 0 scores a prompt: a completion with echo"),
     ({"prompt": "x", "max_tokens": -1, "echo": True}, 400, "max_tokens must be >= 0"),
     ({"prompt": "x", "n": True}, 400, "n must be an integer"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
