@@ -92,38 +92,53 @@ class CompletionServer(ThreadingHTTPServer):
         return result
 
 
-class TextDeltas:
-    """A streamer (engine/streaming.py) that turns one choice's tokens into text deltas on
-    `events`, holding back what a later token can still change: the tail that could begin a
-    stop string (cut from the final text), trailing whitespace (a tokenizer's clean-up may drop
-    it) and a half-decoded character. The rest comes from the result's text, which is final.
-    It raises once `gone` is set (the client went away), which stops its request."""
+class TokenEvents:
+    """A streamer (engine/streaming.py) that hands a choice's committed tokens to the thread
+    answering its client, which turns them into text (`TextDeltas`): the engine's thread, which
+    decodes for the whole batch, only queues them. It raises once `gone` is set (the client
+    went away), which stops its request."""
 
-    def __init__(self, index: int, events: queue.Queue, gone: threading.Event, tokenizer, options: dict) -> None:
-        self.index, self.events, self.gone, self.tokenizer = index, events, gone, tokenizer
-        self.stops = () if options.get("include_stop_str_in_output") else options.get("stop", ())
-        self.skip_special = options.get("skip_special_tokens", True)
-        self.tokens: list[int] | None = None  # None until the prompt's put
-        self.sent = ""
+    def __init__(self, index: int, events: queue.Queue, gone: threading.Event) -> None:
+        self.index, self.events, self.gone = index, events, gone
+        self.prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if self.gone.is_set():
             raise ConnectionResetError("the client went away")
-        if self.tokens is None:  # the first put is the prompt (transformers' streamer protocol)
-            self.tokens = []
+        if not self.prompt_seen:  # the first put is the prompt (transformers' streamer protocol)
+            self.prompt_seen = True
             return
-        self.tokens += value.reshape(-1).tolist()
+        self.events.put(("tokens", self.index, value.reshape(-1).tolist()))
+
+    def end(self) -> None:
+        pass
+
+
+class TextDeltas:
+    """A choice's output tokens as text deltas, holding back what a later token can still
+    change: the tail that could begin a stop string (cut from the final text), trailing
+    whitespace (a tokenizer's clean-up may drop it) and a half-decoded character. The rest
+    comes from the result's text, which is final."""
+
+    def __init__(self, tokenizer, options: dict) -> None:
+        self.tokenizer = tokenizer
+        self.stops = () if options.get("include_stop_str_in_output") else options.get("stop", ())
+        self.skip_special = options.get("skip_special_tokens", True)
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def add(self, tokens: list[int]) -> str:
+        """The text that `tokens`, appended, let the client have now ("" for none yet)."""
+        self.tokens += tokens
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
         safe = len(_TAIL.sub("", text))
         if self.stops:
             found = [text.find(s) for s in self.stops if s in text]
             safe = min(safe, min(found) if found else len(text) - max(map(len, self.stops)) + 1)
-        if safe > len(self.sent):
-            self.events.put(("text", self.index, text[len(self.sent):safe]))
-            self.sent = text[:safe]
-
-    def end(self) -> None:
-        pass
+        if safe <= len(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):safe], text[:safe]
+        return delta
 
     def rest(self, final: str) -> str:
         """What the client has not got of the final text."""
@@ -238,11 +253,11 @@ class _Handler(BaseHTTPRequestHandler):
         rows = request.choices()
         events: queue.Queue = queue.Queue()
         gone = threading.Event()
-        deltas = [TextDeltas(i, events, gone, self.server.tokenizer, request.options) for i in range(len(rows))]
+        texts = [TextDeltas(self.server.tokenizer, request.options) for _ in rows]
 
         def serve(i: int) -> None:
             try:
-                events.put(("done", i, self.server.serve(request, *rows[i], deltas[i])))
+                events.put(("done", i, self.server.serve(request, *rows[i], TokenEvents(i, events, gone))))
             except Exception as exc:
                 events.put(("failed", i, exc))
 
@@ -260,11 +275,12 @@ class _Handler(BaseHTTPRequestHandler):
                     self._event(self._envelope(request, [chunk_choice(i, request, text, first=True)], chunk=True))
             while len(results) < len(rows):
                 kind, i, payload = events.get()
-                if kind == "text":
-                    self._event(self._envelope(request, [chunk_choice(i, request, payload)], chunk=True))
+                if kind == "tokens":
+                    if delta := texts[i].add(payload):
+                        self._event(self._envelope(request, [chunk_choice(i, request, delta)], chunk=True))
                 elif kind == "done":
                     results[i] = payload
-                    last = chunk_choice(i, request, deltas[i].rest(payload.text), payload.finish_reason)
+                    last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason)
                     self._event(self._envelope(request, [last], chunk=True))
                 else:
                     status = HTTPStatus.BAD_REQUEST if isinstance(payload, InvalidRequestError) else \

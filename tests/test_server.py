@@ -235,32 +235,36 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_output(served):
 
 
 def test_text_deltas_hold_back_a_tail_that_could_begin_a_stop_string(served):
-    """One token per put, a stop string that begins in one token and ends in the next: the
+    """One token at a time, a stop string that begins in one token and ends in the next: the
     deltas sent before the end never include its beginning, and with the result's text they
     add up to that text."""
-    import queue
-
-    import torch
-
     from autotune.server import TextDeltas
 
     engine, _ = served
     tokens = alone(engine, PROMPTS[0], 40).tokens
-    decode = engine.tokenizer.decode
-    stop = a_stop_across_two_tokens(decode, tokens)
+    stop = a_stop_across_two_tokens(engine.tokenizer.decode, tokens)
     final = alone(engine, PROMPTS[0], 40, stop=[stop])
     assert final.finish_reason == "stop"
-    events = queue.Queue()
-    deltas = TextDeltas(0, events, threading.Event(), engine.tokenizer, {"stop": (stop,)})
-    deltas.put(torch.tensor([engine.encode(PROMPTS[0]).tolist()]))
-    for token in final.tokens:
-        deltas.put(torch.tensor([token]))
-    sent = "".join(events.get()[2] for _ in range(events.qsize()))
-    assert final.text.startswith(sent) and sent + deltas.rest(final.text) == final.text
-    gone = threading.Event()
+    texts = TextDeltas(engine.tokenizer, {"stop": (stop,)})
+    sent = "".join(texts.add([token]) for token in final.tokens)
+    assert final.text.startswith(sent) and sent + texts.rest(final.text) == final.text
+
+
+def test_token_events_skip_the_prompt_and_stop_the_request_once_its_client_is_gone():
+    import queue
+
+    import torch
+
+    from autotune.server import TokenEvents
+
+    events, gone = queue.Queue(), threading.Event()
+    streamer = TokenEvents(3, events, gone)
+    streamer.put(torch.tensor([[5, 6, 7]]))  # the prompt
+    streamer.put(torch.tensor([8, 9]))
+    assert events.get_nowait() == ("tokens", 3, [8, 9]) and events.empty()
     gone.set()
-    with pytest.raises(ConnectionResetError):
-        TextDeltas(0, events, gone, engine.tokenizer, {}).put(torch.tensor([[1]]))
+    with pytest.raises(ConnectionResetError, match="went away"):
+        streamer.put(torch.tensor([10]))
 
 
 def a_stop_across_two_tokens(decode, tokens: list[int]) -> str:
