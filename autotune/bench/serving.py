@@ -1,9 +1,12 @@
 """`autotune bench serve`: what the HTTP server costs, against the same clients calling the
-controller in the same process."""
+controller in the same process. The HTTP clients run in a process of their own, as real
+clients do: in the server's process their own Python work would compete with the decode loop
+for the GIL and be counted as the server's."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import statistics
 import threading
 import time
@@ -37,55 +40,90 @@ def _post_streamed(base: str, body: dict) -> tuple[str, int, float]:
     return "".join(text), tokens, first
 
 
+def _client_process(port: int, bodies: list[list[dict]], pipe) -> None:
+    """The HTTP clients, in a process of their own: at each "go", client c sends `bodies[c]` one
+    after another on a thread of its own; the round's seconds and, per client, each request's
+    (tokens, latency, time to first token, text) go back."""
+    pipe.send("ready")  # imported: from here on it spends no CPU until told to go
+    while pipe.recv() == "go":
+        served: list[list[tuple]] = [[] for _ in bodies]
+
+        def client(c: int, served=served) -> None:
+            for body in bodies[c]:
+                start = time.perf_counter()
+                text, tokens, first = _post_streamed(f"http://127.0.0.1:{port}", body)
+                done = time.perf_counter()
+                served[c].append((tokens, done - start, (first or done) - start, text))
+
+        pipe.send((run_clients(client, len(bodies)), served))
+
+
 def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
                 requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
                 rounds: int = 2, progress=print) -> dict:
     """Clients on threads, each sending its requests one after another, streamed, to a controller
     (coalescing, continuous batching) called in process (`direct`) or through `autotune serve`'s
-    server on localhost (`http`: JSON in, server-sent events out). Client c sends requests of
+    server on localhost (`http`: JSON in, server-sent events out, the clients in a process of
+    their own). Client c sends requests of
     class c mod len(classes), the same in every configuration; configurations take turns round
     by round and keep their controllers across rounds. Greedy texts must be identical in all.
     Latency: from sending a request to having its whole output; time to first token: to its
     first output text."""
     plan = client_plan(engine, classes, clients, requests_per_client)
+    bodies = [[{"prompt": ids, "request_class": cls.name, "max_tokens": cls.max_new_tokens,
+                "temperature": cls.temperature, "top_p": cls.top_p, "seed": c * 1000 + j, "stream": True,
+                "stream_options": {"include_usage": True}} for j, ids in enumerate(requests)]
+              for c, (cls, requests) in enumerate(plan)]
     arms = default_arms(engine)
-    controllers, servers = {}, {}
+    controllers, servers, pipes, processes = {}, {}, {}, []
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
     for p in policies:
         for how in ("direct", "http"):
             controllers[f"{p}/{how}"] = AutotuneController(engine, policy=p, arms=arms, max_batch=max_batch)
         server = servers[f"{p}/http"] = CompletionServer(controllers[f"{p}/http"], ("127.0.0.1", 0))
         threading.Thread(target=server.serve_forever, daemon=True).start()
+        pipes[f"{p}/http"], theirs = spawn.Pipe()
+        processes.append(spawn.Process(target=_client_process, args=(server.server_port, bodies, theirs),
+                                       daemon=True))
+        processes[-1].start()
+    for pipe in pipes.values():  # no round may share the CPU with a client process starting up
+        assert pipe.recv() == "ready"
     stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # (tokens, latency, ttft)
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     try:
         for r in range(rounds):
             for name in rotate(list(controllers), r):
-                ctl, s, server = controllers[name], stats[name], servers.get(name)
+                ctl, s = controllers[name], stats[name]
+                if name in pipes:
+                    pipes[name].send("go")
+                    seconds, served = pipes[name].recv()
+                else:
+                    served = [[] for _ in plan]
 
-                def client(c, ctl=ctl, s=s, server=server):
-                    cls, requests = plan[c]
-                    for j, ids in enumerate(requests):
-                        start = time.perf_counter()
-                        if server is None:
-                            streamer = FirstOutput()
+                    def client(c, ctl=ctl, served=served):
+                        cls, requests = plan[c]
+                        for j, ids in enumerate(requests):
+                            start, streamer = time.perf_counter(), FirstOutput()
                             out = ctl.generate(ids, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p,
                                                seed=c * 1000 + j, streamer=streamer)
-                            text, tokens, first = out.text, out.metrics.new_tokens, streamer.at
-                        else:
-                            text, tokens, first = _post_streamed(
-                                f"http://127.0.0.1:{server.server_port}",
-                                {"prompt": ids, "request_class": cls.name, "max_tokens": cls.max_new_tokens,
-                                 "temperature": cls.temperature, "top_p": cls.top_p, "seed": c * 1000 + j,
-                                 "stream": True, "stream_options": {"include_usage": True}})
-                        done = time.perf_counter()
-                        s["served"].append((tokens, done - start, (first or done) - start))  # one append: atomic
-                        if cls.temperature == 0:
-                            greedy[c, j].add(text)
+                            done = time.perf_counter()
+                            served[c].append((out.metrics.new_tokens, done - start, (streamer.at or done) - start,
+                                              out.text))
 
-                s["seconds"] += run_clients(client, clients)
+                    seconds = run_clients(client, clients)
+                s["seconds"] += seconds
+                for c, rows in enumerate(served):
+                    for j, (tokens, latency, ttft, text) in enumerate(rows):
+                        s["served"].append((tokens, latency, ttft))
+                        if plan[c][0].temperature == 0:
+                            greedy[c, j].add(text)
                 tokens = sum(row[0] for row in s["served"])
                 progress(f"  round {r + 1}/{rounds} {name}: {tokens / s['seconds']:.0f} tokens/s so far")
     finally:
+        for pipe in pipes.values():
+            pipe.send("stop")
+        for process in processes:
+            process.join(timeout=10)
         for server in servers.values():
             server.shutdown()
             server.server_close()
