@@ -80,11 +80,11 @@ class CompletionServer(ThreadingHTTPServer):
             engine.check_request(len(one), OFF, request.decoded_tokens, sampling)
         return request, ids
 
-    def serve(self, request: ApiRequest, prompt, seed: int | None, streamer=None) -> ControlledResult:
+    def serve(self, request: ApiRequest, ids: list[int], seed: int | None, streamer=None) -> ControlledResult:
+        """One choice, from its prompt's token ids (`admit` encoded them: no second encoding)."""
         try:
-            result = self.controller.generate(list(prompt) if isinstance(prompt, tuple) else prompt,
-                                              request.request_class, request.decoded_tokens, request.temperature,
-                                              request.top_p, seed, streamer, **request.options)
+            result = self.controller.generate(ids, request.request_class, request.decoded_tokens,
+                                              request.temperature, request.top_p, seed, streamer, **request.options)
         except Exception as exc:
             self.counters.fail(exc)
             raise
@@ -187,9 +187,9 @@ class _Handler(BaseHTTPRequestHandler):
         prefix = "chatcmpl" if request.chat else "cmpl"
         self.request_id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         if request.stream:
-            return self._stream(request)
+            return self._stream(request, ids)
         try:
-            results = self._serve_all(request)
+            results = self._serve_all(request, ids)
             choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
                        for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
         except InvalidRequestError as exc:
@@ -224,14 +224,14 @@ class _Handler(BaseHTTPRequestHandler):
         except InvalidRequestError as exc:
             raise BadRequest(str(exc)) from None
 
-    def _serve_all(self, request: ApiRequest) -> list[ControlledResult]:
+    def _serve_all(self, request: ApiRequest, ids: list[list[int]]) -> list[ControlledResult]:
         """Every choice, each a request to the controller on a thread of its own."""
         rows = request.choices()
         results: list = [None] * len(rows)
 
         def serve(i: int) -> None:
             try:
-                results[i] = self.server.serve(request, *rows[i])
+                results[i] = self.server.serve(request, ids[i // request.n], rows[i][1])
             except Exception as exc:
                 results[i] = exc
 
@@ -247,7 +247,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise failed
         return results
 
-    def _stream(self, request: ApiRequest) -> None:
+    def _stream(self, request: ApiRequest, ids: list[list[int]]) -> None:
         """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
         with its finish_reason, the usage if asked for, then `data: [DONE]`."""
         rows = request.choices()
@@ -257,7 +257,8 @@ class _Handler(BaseHTTPRequestHandler):
 
         def serve(i: int) -> None:
             try:
-                events.put(("done", i, self.server.serve(request, *rows[i], TokenEvents(i, events, gone))))
+                result = self.server.serve(request, ids[i // request.n], rows[i][1], TokenEvents(i, events, gone))
+                events.put(("done", i, result))
             except Exception as exc:
                 events.put(("failed", i, exc))
 
