@@ -11,8 +11,9 @@ this project's `request_class`. Completions: `prompt` (text, token ids or a list
 the prompt alone, as evaluation harnesses ask for log-likelihoods). Chat: `messages` through the
 tokenizer's chat template, `logprobs` true with `top_logprobs` N, `max_completion_tokens`,
 and by default as many tokens as the context leaves (vLLM's). With a `seed`, choice j of a
-prompt draws from `seed + j`, so choice 0 is the output the request gets with `n` = 1. Every
-refusal names the field.
+prompt draws from `seed + j`, so choice 0 is the output the request gets with `n` = 1. A
+stream carries logprobs too, each chunk those of the tokens behind its text (not the prompt's
+with echo). Every refusal names the field.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ VLLM_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, 
                "skip_special_tokens": bool, "allowed_token_ids": list, "bad_words": (str, list)}
 COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
                  "frequency_penalty", "logit_bias", "stream", "stream_options", "user", "request_class", *VLLM_FIELDS)
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix")
-CHAT_FIELDS = (*COMMON_FIELDS, "messages", "logprobs", "top_logprobs", "max_completion_tokens")
+COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix", "add_special_tokens")
+CHAT_FIELDS = (*COMMON_FIELDS, "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_special_tokens",
+               "add_generation_prompt")
+TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
 
 
 class BadRequest(Exception):
@@ -50,8 +53,9 @@ class BadRequest(Exception):
 class ApiRequest:
     """A checked body. `max_tokens` None: as many as the context leaves; 0: the prompt scored,
     nothing generated (completions with echo). `logprobs`: how many of
-    the likeliest tokens to show per token (None: no logprobs). `options`: the controller's
-    other keyword arguments."""
+    the likeliest tokens to show per token (None: no logprobs). `add_special_tokens`: whether
+    a text prompt gets the tokenizer's (a BOS; vLLM's: yes for completions, no for a chat,
+    whose template writes them). `options`: the controller's other keyword arguments."""
 
     prompts: tuple[str | tuple[int, ...], ...]
     chat: bool = False
@@ -64,6 +68,7 @@ class ApiRequest:
     include_usage: bool = False
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True
     request_class: str | None = None
     options: dict = field(default_factory=dict)
 
@@ -138,6 +143,7 @@ def _messages(value) -> list[dict]:
 
 def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | None, chat: bool,
             echo: bool = False) -> ApiRequest:
+    """The fields both endpoints share, checked."""
     n = _get(body, "n", int, 1)
     if n < 1:
         raise BadRequest(f"n must be >= 1, got {n}", "n")
@@ -146,8 +152,9 @@ def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | 
         raise BadRequest("max_tokens 0 scores a prompt: a completion with echo, not streamed", "max_tokens")
     if max_tokens is not None and max_tokens < 0:
         raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
-    if stream and logprobs is not None:
-        raise BadRequest("logprobs are not streamed: ask for them without stream", "logprobs")
+    if stream and echo and logprobs is not None:
+        raise BadRequest("the prompt's logprobs (echo with logprobs) are not streamed: ask for them without stream",
+                         "logprobs")
     stop = _get(body, "stop", (str, list), ())
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) for s in stop):
@@ -170,7 +177,8 @@ def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | 
         temperature=float(_get(body, "temperature", (int, float), 1.0)),
         top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int), stream=stream,
         include_usage=bool(_get(body, "stream_options", dict, {}).get("include_usage", False)), echo=echo,
-        logprobs=logprobs, request_class=_get(body, "request_class", str), options=options,
+        logprobs=logprobs, add_special_tokens=_get(body, "add_special_tokens", bool, not chat),
+        request_class=_get(body, "request_class", str), options=options,
     )
 
 
@@ -195,13 +203,7 @@ def parse_chat(body, tokenizer) -> ApiRequest:
     """Check a /v1/chat/completions body; its messages become one prompt through the
     tokenizer's chat template, with the assistant's turn opened."""
     _check_fields(body, CHAT_FIELDS)
-    messages = _messages(body.get("messages"))
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model's tokenizer has no chat template: send a prompt to /v1/completions", "messages")
-    try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # the template's own check (e.g. roles that must alternate)
-        raise BadRequest(f"the chat template refused these messages: {exc}", "messages") from None
+    prompt = _chat_prompt(body, tokenizer)
     top = _get(body, "top_logprobs", int)
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise BadRequest(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top}", "top_logprobs")
@@ -210,6 +212,44 @@ def parse_chat(body, tokenizer) -> ApiRequest:
     logprobs = (top or 0) if _get(body, "logprobs", bool, False) else None
     max_tokens = _get(body, "max_completion_tokens", int, _get(body, "max_tokens", int))
     return _common(body, (prompt,), max_tokens, logprobs, chat=True)
+
+
+def _chat_prompt(body: dict, tokenizer) -> str:
+    """The body's messages through the tokenizer's chat template, the assistant's turn opened
+    unless `add_generation_prompt` is false."""
+    messages = _messages(body.get("messages"))
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest("this model's tokenizer has no chat template: send a prompt to /v1/completions", "messages")
+    opened = _get(body, "add_generation_prompt", bool, True)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=opened, tokenize=False)
+    except Exception as exc:  # the template's own check (e.g. roles that must alternate)
+        raise BadRequest(f"the chat template refused these messages: {exc}", "messages") from None
+
+
+def parse_tokenize(body, tokenizer) -> tuple[str, bool, bool]:
+    """Check vLLM's /tokenize body: the text to tokenize (a `prompt`, or `messages` through the
+    chat template), whether the tokenizer adds its special tokens (by default as the
+    completion endpoints do), and whether to answer each token's string too."""
+    _check_fields(body, TOKENIZE_FIELDS)
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequest("send either a prompt or messages", "prompt")
+    chat = "messages" in body
+    text = _chat_prompt(body, tokenizer) if chat else _get(body, "prompt", str)
+    if text is None:
+        raise BadRequest("prompt must be a string", "prompt")
+    return text, _get(body, "add_special_tokens", bool, not chat), _get(body, "return_token_strs", bool, False)
+
+
+def parse_detokenize(body, vocab_size: int) -> list[int]:
+    """Check vLLM's /detokenize body: its `tokens`, ids in the model's vocabulary."""
+    _check_fields(body, ("model", "tokens"))
+    tokens = _get(body, "tokens", list)
+    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest("tokens is required: a list of token ids", "tokens")
+    if bad := [t for t in tokens if not 0 <= t < vocab_size]:
+        raise BadRequest(f"token ids out of the vocabulary (0..{vocab_size - 1}): {bad[:5]}", "tokens")
+    return tokens
 
 
 def envelope(request: ApiRequest, request_id: str, model: str, created: int, choices: list[dict],
@@ -242,12 +282,23 @@ def response_choice(index: int, request: ApiRequest, prompt, prompt_ids: list[in
 
 
 def chunk_choice(index: int, request: ApiRequest, text: str, finish_reason: str | None = None,
-                 first: bool = False) -> dict:
-    """One choice of a streamed chunk: a text delta (a chat's first opens the assistant's turn)."""
+                 first: bool = False, logprobs: dict | None = None) -> dict:
+    """One choice of a streamed chunk: a text delta (a chat's first opens the assistant's turn),
+    with the `logprobs` of the tokens behind it (`chunk_logprobs`)."""
     if not request.chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk_logprobs(request: ApiRequest, tokenizer, ids: list[int], entries: list[dict[int, float]],
+                   text_offset: int) -> dict:
+    """A streamed chunk's logprobs for its tokens `ids`, in the response's own shape, so the
+    chunks' objects, joined, are the whole response's (completions: `text_offset` counts on from
+    the tokens streamed before)."""
+    if request.chat:
+        return _chat_logprobs(tokenizer, ids, entries, request.logprobs)
+    return _completion_logprobs(tokenizer, ids, entries, text_offset)
 
 
 def prompt_text(prompt, tokenizer) -> str:
@@ -261,11 +312,10 @@ def usage(results: list[ControlledResult], request: ApiRequest) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _completion_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float] | None]) -> dict:
+def _completion_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float] | None], offset: int = 0) -> dict:
     """The legacy object: each token's text, log-probability (None for the first prompt token),
-    the likeliest tokens' and its offset in the text."""
+    the likeliest tokens' and its offset in the text (the first's: `offset`)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    offset = 0
     for token, entry in zip(ids, entries):
         text = tokenizer.decode([token])
         out["tokens"].append(text)

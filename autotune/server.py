@@ -2,7 +2,8 @@
 
 Clients written for vLLM, SGLang or OpenAI's API send `POST /v1/completions` or
 `/v1/chat/completions` (fields: openai_api.py) and get the controller's output, with the arm
-and request class it chose in each choice's `autotune` field. Each HTTP request is handled on
+and request class it chose in each choice's `autotune` field (vLLM's `/tokenize` and
+`/detokenize` show the token ids those endpoints serve). Each HTTP request is handled on
 a thread of its own and each of its choices (its prompts times `n`) is one
 `controller.generate` call, on a thread of its own too, so choices and requests that arrive
 together are batched by the controller's coalescer (`max_batch`). Anything refused (an
@@ -31,9 +32,12 @@ from autotune.openai_api import (
     ApiRequest,
     BadRequest,
     chunk_choice,
+    chunk_logprobs,
     envelope,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
     prompt_text,
     response_choice,
     usage,
@@ -46,8 +50,8 @@ _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whit
 
 
 class CompletionServer(ThreadingHTTPServer):
-    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/metrics` and `/health` over
-    `controller`, as `model_name`."""
+    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`,
+    `/metrics` and `/health` over `controller`, as `model_name`."""
 
     daemon_threads = True
 
@@ -66,7 +70,8 @@ class CompletionServer(ThreadingHTTPServer):
         """The request with its length settled, and its prompts' token ids, or the refusal the
         controller would give once decoding (so that a streamed request gets its 400 too)."""
         engine = self.controller.engine
-        ids = [engine.encode(list(p) if isinstance(p, tuple) else p).tolist() for p in request.prompts]
+        ids = [engine.encode(list(p) if isinstance(p, tuple) else p, request.add_special_tokens).tolist()
+               for p in request.prompts]
         if request.max_tokens is None:  # a chat's default: what the context leaves
             if engine.max_length is None:
                 raise BadRequest("max_tokens is required: the model states no context length", "max_tokens")
@@ -93,14 +98,18 @@ class CompletionServer(ThreadingHTTPServer):
 
 
 class TokenEvents:
-    """A streamer (engine/streaming.py) that hands a choice's committed tokens to the thread
-    answering its client, which turns them into text (`TextDeltas`): the engine's thread, which
-    decodes for the whole batch, only queues them. It raises once `gone` is set (the client
-    went away), which stops its request."""
+    """A streamer (engine/streaming.py) that hands a choice's committed tokens, and their
+    log-probabilities if it asked for them, to the thread answering its client, which turns
+    them into text (`TextDeltas`): the engine's thread, which decodes for the whole batch, only
+    queues them. It raises once `gone` is set (the client went away), which stops its request."""
 
     def __init__(self, index: int, events: queue.Queue, gone: threading.Event) -> None:
         self.index, self.events, self.gone = index, events, gone
         self.prompt_seen = False
+        self.entries: list[dict[int, float]] = []  # those of the tokens the next put brings
+
+    def put_logprobs(self, entries: list[dict[int, float]]) -> None:
+        self.entries = entries
 
     def put(self, value: torch.Tensor) -> None:
         if self.gone.is_set():
@@ -108,7 +117,8 @@ class TokenEvents:
         if not self.prompt_seen:  # the first put is the prompt (transformers' streamer protocol)
             self.prompt_seen = True
             return
-        self.events.put(("tokens", self.index, value.reshape(-1).tolist()))
+        self.events.put(("tokens", self.index, (value.reshape(-1).tolist(), self.entries)))
+        self.entries = []
 
     def end(self) -> None:
         pass
@@ -143,6 +153,33 @@ class TextDeltas:
     def rest(self, final: str) -> str:
         """What the client has not got of the final text."""
         return final[len(self.sent):] if final.startswith(self.sent) else ""
+
+
+class LogprobDeltas:
+    """A choice's streamed tokens whose log-probabilities the client has not had yet: they go
+    out with the next chunk that carries text, or with the last, so every token's go out once
+    and in order, whatever text is held back."""
+
+    def __init__(self, request: ApiRequest, tokenizer) -> None:
+        self.request, self.tokenizer = request, tokenizer
+        self.ids: list[int] = []
+        self.entries: list[dict[int, float]] = []
+        self.text_offset = 0  # the legacy object's offset of the next token
+
+    def add(self, ids: list[int], entries: list[dict[int, float]]) -> None:
+        if self.request.logprobs is not None:
+            self.ids += ids
+            self.entries += entries
+
+    def take(self) -> dict | None:
+        """The chunk's logprobs object (None where none were asked for)."""
+        if self.request.logprobs is None:
+            return None
+        out = chunk_logprobs(self.request, self.tokenizer, self.ids, self.entries, self.text_offset)
+        if not self.request.chat:
+            self.text_offset += sum(map(len, out["tokens"]))
+        self.ids, self.entries = [], []
+        return out
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -181,6 +218,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorized():
             return
         try:
+            if self.path in ("/tokenize", "/detokenize"):
+                return self._json(self._tokens(self._body()))
             request, ids = self._read()
         except BadRequest as exc:
             return self._json(exc.body(), exc.status)
@@ -203,8 +242,37 @@ class _Handler(BaseHTTPRequestHandler):
         parsers = {"/v1/completions": parse_completion,
                    "/v1/chat/completions": lambda body: parse_chat(body, self.server.tokenizer)}
         if self.path not in parsers:
-            raise BadRequest(f"no route POST {self.path}; this server has {sorted(parsers)}",
-                             status=HTTPStatus.NOT_FOUND)
+            routes = sorted([*parsers, "/tokenize", "/detokenize"])
+            raise BadRequest(f"no route POST {self.path}; this server has {routes}", status=HTTPStatus.NOT_FOUND)
+        body = self._body()
+        request = parsers[self.path](body)
+        self._check_model(body)
+        try:
+            return self.server.admit(request)
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def _tokens(self, body) -> dict:
+        """vLLM's /tokenize (a prompt's or a chat's token ids, as the completion endpoints
+        encode them) and /detokenize (token ids' text)."""
+        tokenizer = self.server.tokenizer
+        if self.path == "/detokenize":
+            ids = parse_detokenize(body, self.server.controller.engine.vocab_size)
+            self._check_model(body)
+            return {"prompt": tokenizer.decode(ids)}
+        text, special, strings = parse_tokenize(body, tokenizer)
+        self._check_model(body)
+        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
+        return {"count": len(ids), "max_model_len": self.server.controller.engine.max_length, "tokens": ids,
+                "token_strs": tokenizer.convert_ids_to_tokens(ids) if strings else None}
+
+    def _check_model(self, body: dict) -> None:
+        if (model := body.get("model")) is not None and model != self.server.model_name:
+            raise BadRequest(f"the model {model!r} does not exist; this server has {self.server.model_name!r}",
+                             "model", HTTPStatus.NOT_FOUND)
+
+    def _body(self):
+        """The request's JSON body, refused if too large, of no stated length or not JSON."""
         length = self.headers.get("Content-Length", "0")
         if not length.isdigit():
             raise BadRequest(f"Content-Length must be a number of bytes, got {length!r}")
@@ -212,17 +280,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"the body is {length} bytes; this server takes at most {MAX_BODY_BYTES}",
                              status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         try:
-            body = json.loads(self.rfile.read(int(length)) or b"null")
+            return json.loads(self.rfile.read(int(length)) or b"null")
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
-        request = parsers[self.path](body)
-        if (model := body.get("model")) is not None and model != self.server.model_name:
-            raise BadRequest(f"the model {model!r} does not exist; this server has {self.server.model_name!r}",
-                             "model", HTTPStatus.NOT_FOUND)
-        try:
-            return self.server.admit(request)
-        except InvalidRequestError as exc:
-            raise BadRequest(str(exc)) from None
 
     def _serve_all(self, request: ApiRequest, ids: list[list[int]]) -> list[ControlledResult]:
         """Every choice, each a request to the controller on a thread of its own."""
@@ -254,6 +314,7 @@ class _Handler(BaseHTTPRequestHandler):
         events: queue.Queue = queue.Queue()
         gone = threading.Event()
         texts = [TextDeltas(self.server.tokenizer, request.options) for _ in rows]
+        logprobs = [LogprobDeltas(request, self.server.tokenizer) for _ in rows]
 
         def serve(i: int) -> None:
             try:
@@ -277,11 +338,15 @@ class _Handler(BaseHTTPRequestHandler):
             while len(results) < len(rows):
                 kind, i, payload = events.get()
                 if kind == "tokens":
-                    if delta := texts[i].add(payload):
-                        self._event(self._envelope(request, [chunk_choice(i, request, delta)], chunk=True))
+                    tokens, entries = payload
+                    logprobs[i].add(tokens, entries)
+                    if delta := texts[i].add(tokens):
+                        chunk = chunk_choice(i, request, delta, logprobs=logprobs[i].take())
+                        self._event(self._envelope(request, [chunk], chunk=True))
                 elif kind == "done":
                     results[i] = payload
-                    last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason)
+                    last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason,
+                                        logprobs=logprobs[i].take())
                     self._event(self._envelope(request, [last], chunk=True))
                 else:
                     status = HTTPStatus.BAD_REQUEST if isinstance(payload, InvalidRequestError) else \

@@ -466,7 +466,8 @@ def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> 
     for r, start in zip(rows, starts):
         if r.streamer is not None:
             first = put_prompt(r.streamer, r.tokens[:start]) if prompt and r.resumes is None else None
-            r.stream_error = first or put_tokens(r.streamer, r.tokens[start:])
+            entries = None if r.logprobs is None else r.logprobs[start - r.prompt_len:len(r.tokens) - r.prompt_len]
+            r.stream_error = first or put_tokens(r.streamer, r.tokens[start:], entries)
             r.done = r.done or r.stream_error is not None
     spent = time.perf_counter() - began
     batch.stream_s += spent

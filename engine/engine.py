@@ -306,11 +306,14 @@ class SpeculativeEngine:
     def arms_available(self) -> list[str]:
         return ["off", *self.drafters]
 
-    def encode(self, prompt: str | list[int] | torch.Tensor) -> torch.Tensor:
+    def encode(self, prompt: str | list[int] | torch.Tensor, add_special_tokens: bool = True) -> torch.Tensor:
+        """A prompt's token ids. Text gets the tokenizer's special tokens (a Llama's BOS) unless
+        `add_special_tokens` is false, as `tokenizer(prompt)` and vLLM give them: a model trained
+        with a BOS first decodes worse without it. Token ids are taken as they are."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"] if prompt else []
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.reshape(-1).tolist()
         else:
@@ -443,7 +446,8 @@ class SpeculativeEngine:
         if drafter is not None:
             m.draft_prefill_s = now - target_done
         if streamer is not None:
-            result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:])
+            first_entry = None if logprobs is None else logprobs[:1]  # a copy: the list grows
+            result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:], first_entry)
             now = self._streamed(m, now)
 
         k = arm.k
@@ -506,7 +510,8 @@ class SpeculativeEngine:
             now = self._sync()
             m.add_verify(step.shape[1], now - before)
             if streamer is not None:
-                result.stream_error = put_tokens(streamer, tokens[prev:])
+                entries = None if logprobs is None else logprobs[prev - m.prompt_tokens:len(tokens) - m.prompt_tokens]
+                result.stream_error = put_tokens(streamer, tokens[prev:], entries)
                 now = self._streamed(m, now)
                 done = done or result.stream_error is not None
 

@@ -17,6 +17,11 @@ to the policy that learns from those times.
 A streamer that raises (a server's client went away) stops its own request where it is: the
 request returns what it has, with `stream_error` saying why, and the other requests of its
 batch go on as if it had finished.
+
+One optional method goes beyond transformers' protocol: a streamer with
+`put_logprobs(entries)` gets, just before each `put` of output tokens, their log-probability
+entries (one `{token id: logprob}` per token, as in `GenerationResult.logprobs`) when the
+request asked for `logprobs`, so a server can stream them with the text.
 """
 
 from __future__ import annotations
@@ -37,9 +42,16 @@ def put_prompt(streamer: Streamer | None, prompt: list[int]) -> str | None:
     return _call(streamer, "put", torch.tensor([prompt])) if streamer is not None else None
 
 
-def put_tokens(streamer: Streamer | None, tokens: list[int]) -> str | None:
-    """Stream a round's committed tokens; the streamer's error, if it raised."""
-    return _call(streamer, "put", torch.tensor(tokens)) if streamer is not None and tokens else None
+def put_tokens(streamer: Streamer | None, tokens: list[int],
+               logprobs: list[dict[int, float]] | None = None) -> str | None:
+    """Stream a round's committed tokens, after their `logprobs` (if the request asked for them)
+    to a streamer that takes them; the streamer's error, if it raised."""
+    if streamer is None or not tokens:
+        return None
+    if logprobs is not None and hasattr(streamer, "put_logprobs"):
+        if error := _call(streamer, "put_logprobs", logprobs):
+            return error
+    return _call(streamer, "put", torch.tensor(tokens))
 
 
 def end_stream(streamer: Streamer | None) -> str | None:
@@ -67,6 +79,10 @@ class EndsOnce:
     def put(self, value: torch.Tensor) -> None:
         self.started = True
         self.streamer.put(value)
+
+    def put_logprobs(self, entries: list[dict[int, float]]) -> None:
+        if hasattr(self.streamer, "put_logprobs"):
+            self.streamer.put_logprobs(entries)
 
     def end(self) -> None:
         if not self.ended:

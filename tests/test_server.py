@@ -20,15 +20,25 @@ from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
 from store import Store
 
 PROMPTS = ["def parse(argv):\n", "import os\nimport sys\n", "class Reader:\n    "]
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 CHAT = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": [
     {"type": "text", "text": "Parse "}, {"type": "text", "text": "argv."}]}]
 
 
+def with_bos(tokenizer):
+    """The tokenizer made to put its BOS first, as a Llama's does (the family's puts nothing)."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos = tokenizer.bos_token
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
+    return tokenizer
+
+
 @pytest.fixture(scope="module")
 def served():
-    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    tokenizer = with_bos(AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target"))
     tokenizer.chat_template = TEMPLATE  # the family has none
     target = tiny_llama(0, vocab=len(tokenizer))
     engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, tokenizer=tokenizer)
@@ -123,6 +133,59 @@ def test_logprobs_and_echo_are_openais_legacy_object(served):
     assert logprobs["text_offset"][1] == len(logprobs["tokens"][0])
 
 
+def test_streamed_logprobs_join_into_the_whole_responses(served):
+    """Each chunk carries the logprobs of the tokens behind its text; a stop string holds text
+    back, so some chunks carry several tokens' and the last those of the stop token."""
+    engine, base = served
+    free = alone(engine, PROMPTS[0], 30).text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    body = {"prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0, "stop": stop, "logprobs": 2}
+    whole = post(base, body)[1]["choices"][0]
+    _, events = post(base, {**body, "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert whole["finish_reason"] == "stop" and "".join(c["text"] for c in chunks) == whole["text"]
+    assert max(len(c["logprobs"]["tokens"]) for c in chunks) > 1  # text held back, its tokens' logprobs too
+    joined = {key: [v for c in chunks for v in c["logprobs"][key]] for key in whole["logprobs"]}
+    for key in ("tokens", "text_offset"):
+        assert joined[key] == whole["logprobs"][key]
+    assert joined["token_logprobs"] == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-4)
+    assert [sorted(top) for top in joined["top_logprobs"]] == [sorted(top) for top in whole["logprobs"]["top_logprobs"]]
+
+    chat = {"messages": CHAT, "max_tokens": 10, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = post(base, chat, "/v1/chat/completions")[1]["choices"][0]["logprobs"]["content"]
+    _, events = post(base, {**chat, "stream": True}, "/v1/chat/completions")
+    content = [t for e in events[:-1] if e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["content"]]
+    assert [t["token"] for t in content] == [t["token"] for t in whole] and len(whole) == 10
+    assert [t["logprob"] for t in content] == pytest.approx([t["logprob"] for t in whole], abs=1e-4)
+
+
+def test_tokenize_gives_the_ids_each_endpoint_serves_and_detokenize_their_text(served):
+    """vLLM's /tokenize and /detokenize. A completion's text prompt gets the tokenizer's BOS, as
+    `tokenizer(prompt)` and vLLM give it (`add_special_tokens`: false leaves it out); a chat's
+    template writes its own, so encoding adds none."""
+    engine, base = served
+    bos = engine.tokenizer.bos_token_id
+    plain = engine.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    status, body = post(base, {"prompt": PROMPTS[0], "return_token_strs": True}, "/tokenize")
+    assert status == 200 and body["tokens"] == [bos, *plain] == engine.encode(PROMPTS[0]).tolist()
+    assert body["count"] == len(plain) + 1 and body["max_model_len"] == 256 and len(body["token_strs"]) == body["count"]
+    assert post(base, {"prompt": PROMPTS[0], "add_special_tokens": False}, "/tokenize")[1]["tokens"] == plain
+    completion = post(base, {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})[1]
+    assert completion["usage"]["prompt_tokens"] == len(plain) + 1
+    assert completion["choices"][0]["text"] == alone(engine, [bos, *plain], 4).text
+    chat = post(base, {"messages": CHAT}, "/tokenize")[1]["tokens"]
+    assert chat[0] == bos != chat[1] and post(base, {"messages": CHAT, "max_tokens": 2},
+                                              "/v1/chat/completions")[1]["usage"]["prompt_tokens"] == len(chat)
+    assert post(base, {"tokens": plain}, "/detokenize") == (200, {"prompt": PROMPTS[0]})
+    for path, body, words in [("/tokenize", {}, "either a prompt or messages"),
+                              ("/tokenize", {"prompt": "x", "messages": CHAT}, "either a prompt or messages"),
+                              ("/tokenize", {"prompt": "x", "add_bos": True}, "unknown field(s) ['add_bos']"),
+                              ("/detokenize", {"tokens": [1, 99999]}, "out of the vocabulary"),
+                              ("/detokenize", {"tokens": "1 2"}, "tokens must be a list")]:
+        status, error = post(base, body, path)
+        assert status == 400 and words in error["error"]["message"], (body, error)
+
+
 def test_max_tokens_0_with_echo_scores_the_prompt_as_evaluation_harnesses_ask(served):
     """lm-evaluation-harness's log-likelihoods through an OpenAI-compatible server: echo, logprobs,
     max_tokens 0. The answer is the prompt with each token's log-probability, nothing generated."""
@@ -152,7 +215,7 @@ def test_max_tokens_0_with_echo_scores_the_prompt_as_evaluation_harnesses_ask(se
     ({"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias must map token ids"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of other than n"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix is not supported"),
-    ({"prompt": "x", "stream": True, "logprobs": 1}, 400, "logprobs are not streamed"),
+    ({"prompt": "x", "stream": True, "logprobs": 1, "echo": True}, 400, "(echo with logprobs) are not streamed"),
     ({"prompt": "x" * 300, "max_tokens": 8}, 400, "exceeds the target's context"),
     ({"prompt": [1, 2, 99999]}, 400, "out of vocabulary"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
@@ -166,14 +229,16 @@ def test_bad_requests_get_openais_error_body_naming_the_problem(served, body, st
 
 def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_stream(served):
     engine, base = served
-    prompt = "<system>Write Python.\n<user>Parse argv.\n<assistant>"
+    # The template writes the BOS; encoding adds none (vLLM's chat default), so there is one.
+    prompt = engine.encode("<|endoftext|><system>Write Python.\n<user>Parse argv.\n<assistant>", False).tolist()
+    assert prompt[0] == engine.tokenizer.bos_token_id != prompt[1]
     expected = alone(engine, prompt, 12, logprobs=2)
     status, body = post(base, {"messages": CHAT, "max_completion_tokens": 12, "temperature": 0, "logprobs": True,
                                "top_logprobs": 2}, "/v1/chat/completions")
     assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     [choice] = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": expected.text}
-    assert choice["finish_reason"] == "length" and body["usage"]["prompt_tokens"] == len(engine.encode(prompt))
+    assert choice["finish_reason"] == "length" and body["usage"]["prompt_tokens"] == len(prompt)
     content = choice["logprobs"]["content"]
     assert [c["logprob"] for c in content] == pytest.approx(
         [e[t] for e, t in zip(expected.logprobs, expected.tokens)], abs=1e-4)
@@ -188,7 +253,7 @@ def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_strea
     assert "".join(d.get("content", "") for d in deltas) == expected.text
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
     # Without a length, as many tokens as the context leaves (vLLM's default): the tiny target has 256.
-    longest = alone(engine, prompt, 256 - len(engine.encode(prompt)))
+    longest = alone(engine, prompt, 256 - len(prompt))
     status, body = post(base, {"messages": CHAT, "temperature": 0}, "/v1/chat/completions")
     assert body["choices"][0]["message"]["content"] == longest.text and len(longest.tokens) > 16
     assert body["choices"][0]["finish_reason"] == longest.finish_reason
@@ -200,7 +265,6 @@ def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_strea
     ({"messages": [{"content": "hi"}]}, "messages[0] must be an object with a role"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"messages": CHAT, "tools": []}, "unknown field(s) ['tools']"),
-    ({"messages": CHAT, "max_tokens": 8, "stream": True, "logprobs": True}, "logprobs are not streamed"),
 ])
 def test_bad_chats_are_refused_naming_the_problem(served, body, words):
     status, error = post(served[1], body, "/v1/chat/completions")
@@ -261,7 +325,10 @@ def test_token_events_skip_the_prompt_and_stop_the_request_once_its_client_is_go
     streamer = TokenEvents(3, events, gone)
     streamer.put(torch.tensor([[5, 6, 7]]))  # the prompt
     streamer.put(torch.tensor([8, 9]))
-    assert events.get_nowait() == ("tokens", 3, [8, 9]) and events.empty()
+    streamer.put_logprobs([{10: -0.1}])  # a request that asked for logprobs: they come just before the tokens
+    streamer.put(torch.tensor([10]))
+    assert events.get_nowait() == ("tokens", 3, ([8, 9], []))
+    assert events.get_nowait() == ("tokens", 3, ([10], [{10: -0.1}])) and events.empty()
     gone.set()
     with pytest.raises(ConnectionResetError, match="went away"):
         streamer.put(torch.tensor([10]))

@@ -72,6 +72,45 @@ def test_each_row_of_a_batch_streams_its_own_output(engine, target):
             assert s.prompt == p and s.output == r.tokens and s.ends == 1
 
 
+class LogprobRecorder(Recorder):
+    """A streamer that also takes log-probabilities (engine/streaming.py's optional method)."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries, self.order = [], []
+
+    def put_logprobs(self, entries):
+        self.entries.append(entries)
+        self.order.append(("logprobs", len(entries)))
+
+    def put(self, value):
+        super().put(value)
+        self.order.append(("put", value.numel()))
+
+
+def test_a_streamer_that_takes_logprobs_gets_each_rounds_entries_just_before_its_tokens(engine, target):
+    """Each round's entries match its tokens, also where a stop token cuts a round short, so the
+    stream's entries are the result's."""
+    prompt = prompts(3)[2]
+    free = engine.generate(prompt, "off", 24).tokens
+    cut = next(j for j in range(10, 24) if free[j] not in free[:j])
+    sampling = SamplingParams(logprobs=2, stop_token_ids=[free[cut]])
+    for arm in ("self:4", "small:3", "off"):
+        streamer = LogprobRecorder()
+        result = engine.generate(prompt, arm, 24, sampling, streamer=streamer)
+        assert result.finish_reason == "stop" and result.tokens == free[:cut + 1]
+        rounds = [len(c) for c in streamer.puts[1:]]
+        assert streamer.order[1:] == [(kind, n) for n in rounds for kind in ("logprobs", "put")]
+        assert [e for chunk in streamer.entries for e in chunk] == result.logprobs
+    streamers = [LogprobRecorder(), Recorder(), LogprobRecorder()]  # one that does not take them
+    batch = [prompt, prompts(3)[0], prompts(3)[1]]
+    out = engine.generate_batch(batch, "small:3", 24, [sampling, SamplingParams(logprobs=2), SamplingParams()],
+                                streamers=streamers)
+    assert out.results[0].tokens == free[:cut + 1]
+    assert [e for chunk in streamers[0].entries for e in chunk] == out.results[0].logprobs
+    assert streamers[1].output == out.results[1].tokens and streamers[2].entries == []
+
+
 def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_stream(engine, target):
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
