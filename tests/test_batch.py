@@ -64,6 +64,37 @@ def test_batched_sampling_draws_what_each_request_draws_alone(engine):
         assert [r.tokens for r in engine.generate_batch(batch, arm, 20, params)] == alone, arm
 
 
+def test_rows_with_one_prompt_prefill_it_once_and_each_draws_what_it_draws_alone(engine, monkeypatch):
+    """A request's n choices: the target and a model drafter feed each distinct prompt once and
+    copy its cache rows; every row then decodes as it does alone (greedy, sampled from its own
+    seed, its prompt's logprobs)."""
+    from engine.batch import BatchCache
+
+    fed, forward = [], BatchCache.forward
+
+    def counting(self, ids, *args, **kwargs):
+        if self.slots == 0:  # a prefill
+            fed.append(ids.shape[0])
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(BatchCache, "forward", counting)
+    p, q = prompts(2, seed=41)
+    batch = [p, p, q, p, q]
+    params = [SamplingParams(1.0, seed=0), SamplingParams(1.0, seed=1), SamplingParams(), SamplingParams(
+        prompt_logprobs=1, logprobs=1), SamplingParams(0.7, top_p=0.9, seed=4)]
+    for arm, prefills in (("off", [2]), ("small:3", [2, 2]), ("hybrid:3", [2, 2])):
+        fed.clear()
+        out = engine.generate_batch(batch, arm, 16, params)
+        assert fed == prefills, arm
+        alone = [engine.generate(x, arm, 16, s) for x, s in zip(batch, params)]
+        assert [r.tokens for r in out] == [r.tokens for r in alone], arm
+        assert out.results[0].tokens != out.results[1].tokens  # one prompt, two seeds
+        got, want = out.results[3].prompt_logprobs, alone[3].prompt_logprobs
+        assert got[0] is None and [sorted(e) for e in got[1:]] == [sorted(e) for e in want[1:]]
+        assert [v for e in got[1:] for v in e.values()] == pytest.approx([v for e in want[1:] for v in e.values()],
+                                                                         abs=1e-5)
+
+
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
 def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm):
     """Continuous batching: requests join between rounds (two at the 2nd round, one at the 5th,

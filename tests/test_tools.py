@@ -232,6 +232,16 @@ def test_bench_cache_serves_identically_with_either_cache(small_store, classes):
                                     "batch 3 rep ngram:2"}
 
 
+def test_bench_choices_serves_n_choices_alike_with_their_prompt_shared_or_fed_for_each(small_store, classes):
+    from autotune.bench import bench_choices
+
+    engine, _ = small_store
+    result = bench_choices(engine, classes["mixed"], [Arm(), Arm("small", 3)], n=3, requests=2, long_tokens=40)
+    assert result["identical_outputs"] is True
+    assert set(result["cases"]) == {"workload off", "workload small:3", "40 tokens off", "40 tokens small:3"}
+    assert result["cases"]["40 tokens small:3"]["prompt_tokens"] == 40
+
+
 def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):
     from autotune.bench import bench_concurrency
 
