@@ -35,7 +35,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
-from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, prompt_logprobs, sample
+from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, sample, token_logprobs
 
 if TYPE_CHECKING:
     from engine.engine import GenerationResult
@@ -145,29 +145,58 @@ def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:
     return _SPANS[model]
 
 
-def prefilled(model: PreTrainedModel, seqs: list[list[int]], keep: int = 1,
-              share: bool = True) -> tuple[BatchCache, torch.Tensor]:
-    """A batch cache of `seqs` from position 0, and the logits of each row's last `keep`
-    positions (rows right-aligned). Rows with the same tokens (a request's n choices) are fed
-    once and their cache rows copied: prefill costs about its tokens on a busy device (a
-    512-token prompt took 41 ms on the family's target alone, 325 ms as 8 rows, on the CPU).
-    `share=False` feeds every row (the baseline of `autotune bench choices`)."""
+PROMPT_LOGITS_BUDGET = 1 << 26  # logits (rows x positions x vocabulary) a prefill that scores prompts holds at once
+
+
+def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
+              share: bool = True) -> tuple[BatchCache, torch.Tensor, list[list[dict[int, float] | None] | None]]:
+    """A batch cache of `seqs` from position 0, each row's last logits [B, V] (rows
+    right-aligned), and the prompt log-probabilities of the rows with a `scores` entry (vLLM's
+    prompt_logprobs, that many likeliest per token; else None).
+
+    Rows with the same tokens and scoring (a request's n choices) are fed once and their cache
+    rows copied: prefill costs about its tokens on a busy device (a 512-token prompt took 41 ms
+    on the family's target alone, 325 ms as 8 rows, on the CPU); `share=False` feeds every row
+    (the baseline of `autotune bench choices`). When prompts are scored the rows are fed in
+    chunks of positions, each chunk's logits reduced to entries before the next, so a batch of
+    long prompts (an evaluation harness's log-likelihoods) holds at most PROMPT_LOGITS_BUDGET
+    logits, not rows x prompt x vocabulary (16 x 1000 x 32k: 2 GB in float32)."""
+    scores = scores if scores is not None else [None] * len(seqs)
     fed: list[list[int]] = []
-    where: dict[tuple[int, ...], int] = {}  # a sequence -> its row among those fed
+    fed_scores: list[int | None] = []
+    where: dict[tuple, int] = {}  # (sequence, scoring) -> its row among those fed
     source = []  # each row's row among those fed
-    for b, seq in enumerate(seqs):
-        key = tuple(seq) if share else (b,)
+    for b, (seq, top) in enumerate(zip(seqs, scores)):
+        key = (tuple(seq), top) if share else (b,)
         if key not in where:
             where[key] = len(fed)
             fed.append(seq)
+            fed_scores.append(top)
         source.append(where[key])
     cache = BatchCache(model, len(fed))
     ids, live = _block(fed, model.device, right=True)
-    logits = cache.forward(ids, _positions(live, [0] * len(fed)), live, keep=keep)
+    positions = _positions(live, [0] * len(fed))
+    width = ids.shape[1]
+    entries: list = [None if top is None else [None] for top in fed_scores]
+    if all(top is None for top in fed_scores):
+        last = cache.forward(ids, positions, live, keep=1)[:, -1]
+    else:
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        chunk = max(1, PROMPT_LOGITS_BUDGET // (len(fed) * vocab))
+        for start in range(0, width, chunk):
+            end = min(start + chunk, width)
+            logits = cache.forward(ids[:, start:end], positions[:, start:end], live[:, start:end], keep=0)
+            for b, top in enumerate(fed_scores):
+                first = width - len(fed[b])  # the row's first column; a column's logits score the next token
+                lo, hi = max(start, first), min(end, width - 1)
+                if top is not None and lo < hi:
+                    logp = torch.log_softmax(logits[b, lo - start:hi - start].float(), dim=-1)
+                    entries[b] += token_logprobs(logp, fed[b][lo + 1 - first:hi + 1 - first], top)
+            last = logits[:, -1]
     if len(fed) < len(seqs):
         cache.select(source)
-        logits = logits[source]
-    return cache, logits
+        last = last[source]
+    return cache, last, [entries[i] for i in source]
 
 
 def _block(seqs: list[list[int]], device, right: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +251,7 @@ class BatchDrafter:
     """A model drafter run for the whole batch: K one-token steps (the first may catch up 2)."""
 
     def __init__(self, drafter: ModelDrafter, rows: list[Row]) -> None:
-        self.cache, _ = prefilled(drafter.model, [r.tokens[:-1] for r in rows])
+        self.cache, _, _ = prefilled(drafter.model, [r.tokens[:-1] for r in rows])
         for r in rows:
             r.seen = len(r.tokens) - 1
 
@@ -320,16 +349,12 @@ class BatchRun:
         joined_at = began - self.started - self.batch.stream_s
         # A paused request's last token is the one its next round feeds (the cache holds all
         # but the last token), so it resumes drawing exactly where it stopped.
-        asked = [r.resumes is None and r.sampling.prompt_logprobs is not None for r in rows]
-        # Logits at the positions of the longest prompt whose log-probabilities are asked for (rows
-        # x that length x vocabulary), else at the last only.
-        keep = max((len(r.tokens) for r, a in zip(rows, asked) if a), default=1)
-        cache, every = prefilled(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], keep)
-        logits = every[:, -1]
+        asked = [r.sampling.prompt_logprobs if r.resumes is None else None for r in rows]
+        cache, logits, scored = prefilled(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked)
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
-            if asked[b]:  # rows are right-aligned: the prompt is the row's last positions
-                r.prompt_logprobs = prompt_logprobs(every[b, -len(r.tokens):], r.tokens, r.sampling.prompt_logprobs)
+            if asked[b] is not None:
+                r.prompt_logprobs = scored[b]
             if r.resumes is None:
                 first, r.logprobs = commit(logits[b:b + 1], r.tokens, [], None, r.sampling, r.stopping, r.generator)
                 r.tokens += first

@@ -80,8 +80,8 @@ def test_rows_with_one_prompt_prefill_it_once_and_each_draws_what_it_draws_alone
     monkeypatch.setattr(BatchCache, "forward", counting)
     p, q = prompts(2, seed=41)
     batch = [p, p, q, p, q]
-    params = [SamplingParams(1.0, seed=0), SamplingParams(1.0, seed=1), SamplingParams(), SamplingParams(
-        prompt_logprobs=1, logprobs=1), SamplingParams(0.7, top_p=0.9, seed=4)]
+    params = [SamplingParams(1.0, seed=0, prompt_logprobs=1), SamplingParams(1.0, seed=1, prompt_logprobs=1),
+              SamplingParams(), SamplingParams(prompt_logprobs=1, logprobs=1), SamplingParams(0.7, top_p=0.9, seed=4)]
     for arm, prefills in (("off", [2]), ("small:3", [2, 2]), ("hybrid:3", [2, 2])):
         fed.clear()
         out = engine.generate_batch(batch, arm, 16, params)
@@ -90,9 +90,43 @@ def test_rows_with_one_prompt_prefill_it_once_and_each_draws_what_it_draws_alone
         assert [r.tokens for r in out] == [r.tokens for r in alone], arm
         assert out.results[0].tokens != out.results[1].tokens  # one prompt, two seeds
         got, want = out.results[3].prompt_logprobs, alone[3].prompt_logprobs
+        assert out.results[0].prompt_logprobs == got
         assert got[0] is None and [sorted(e) for e in got[1:]] == [sorted(e) for e in want[1:]]
         assert [v for e in got[1:] for v in e.values()] == pytest.approx([v for e in want[1:] for v in e.values()],
                                                                          abs=1e-5)
+
+
+def test_scored_prompts_are_prefilled_in_chunks_within_the_logits_budget(engine, monkeypatch):
+    """Prompt logprobs of a batch (an evaluation harness's log-likelihoods) come from chunks of
+    positions whose logits stay within the budget, and are those each prompt gets alone."""
+    import engine.batch as batch_module
+
+    budget = 4 * 3 * engine.vocab_size  # 4 rows fed: chunks of 3 positions
+    monkeypatch.setattr(batch_module, "PROMPT_LOGITS_BUDGET", budget)
+    held, forward = [], batch_module.BatchCache.forward
+
+    def measuring(self, ids, *args, **kwargs):
+        logits = forward(self, ids, *args, **kwargs)
+        held.append(logits.numel())
+        return logits
+
+    monkeypatch.setattr(batch_module.BatchCache, "forward", measuring)
+    batch = prompts(4, seed=51)  # different lengths: rows start in different chunks
+    params = [SamplingParams(prompt_logprobs=2), SamplingParams(prompt_logprobs=0), SamplingParams(),
+              SamplingParams(1.0, seed=3, prompt_logprobs=1)]
+    out = engine.generate_batch(batch, "small:3", 8, params)
+    prefill = held[:max(map(len, batch)) // 3 + 1]
+    assert len(prefill) > 3 and max(prefill) <= budget
+    for r, p, s in zip(out.results, batch, params):
+        alone = engine.generate(p, "small:3", 8, s)
+        assert r.tokens == alone.tokens
+        if s.prompt_logprobs is None:
+            assert r.prompt_logprobs is None
+            continue
+        assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(p)
+        assert [sorted(e) for e in r.prompt_logprobs[1:]] == [sorted(e) for e in alone.prompt_logprobs[1:]]
+        assert [v for e in r.prompt_logprobs[1:] for v in e.values()] == pytest.approx(
+            [v for e in alone.prompt_logprobs[1:] for v in e.values()], abs=1e-5)
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
