@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from autotune.controller import AutotuneController, ControlledResult
+from autotune.inspect_store import policy_table
 from autotune.openai_api import (
     ApiRequest,
     BadRequest,
@@ -51,7 +52,8 @@ _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whit
 
 class CompletionServer(ThreadingHTTPServer):
     """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`,
-    `/metrics` and `/health` over `controller`, as `model_name`."""
+    `/metrics`, `/health` and what the controller learned (`/v1/autotune/policy`) over
+    `controller`, as `model_name`."""
 
     daemon_threads = True
 
@@ -208,6 +210,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json({"status": "ok"})
         if self.path == "/metrics":
             return self._send(self.server.counters.render().encode(), "text/plain; version=0.0.4")
+        if self.path == "/v1/autotune/policy":
+            return self._policy()
         if self.path == "/v1/models":
             model = {"id": self.server.model_name, "object": "model", "created": self.server.created,
                      "owned_by": "spec-autotune", "max_model_len": self.server.controller.engine.max_length}
@@ -237,6 +241,19 @@ class _Handler(BaseHTTPRequestHandler):
             failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
             return self._json(failure.body(), failure.status)
         self._json({**self._envelope(request, choices), "usage": usage(results, request)})
+
+    def _policy(self) -> None:
+        """What the controller has learned so far, per class and load, as `autotune inspect
+        --json` shows it from the store (saved and flushed first, so it is up to date)."""
+        controller = self.server.controller
+        if controller.store is None:
+            missing = BadRequest("this server keeps no store, so it has no learned policy to show",
+                                 status=HTTPStatus.NOT_FOUND)
+            return self._json(missing.body(), missing.status)
+        controller.save()
+        controller.store.flush()
+        policy = controller.policy.name
+        self._json({"policy": policy, "classes": policy_table(controller.store, policy)})
 
     def _read(self) -> tuple[ApiRequest, list[list[int]]]:
         parsers = {"/v1/completions": parse_completion,

@@ -359,6 +359,9 @@ def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what
         base = banner.split(" at ")[1].split("/v1")[0]
         status, body = post(base, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "request_class": "code"})
         assert status == 200 and body["model"] == "model" and len(body["choices"][0]["text"]) > 0
+        learned = json.loads(urllib.request.urlopen(base + "/v1/autotune/policy").read())  # while serving
+        assert learned["policy"] == "ucb" and [(r["class"], r["load"]) for r in learned["classes"]] == [("code", "1")]
+        assert learned["classes"][0]["pulls"] == 1
     finally:
         server.send_signal(signal.SIGTERM)  # a service manager's stop (SIGINT is ignored in a background job)
         assert server.wait(timeout=60) == 0
@@ -436,6 +439,12 @@ def test_metrics_count_what_was_served_by_class_and_arm_in_prometheus_text(serve
     counters = ServedCounters()
     counters.fail(RuntimeError("out of memory"))  # a request that failed while served, by its error's type
     assert 'autotune_request_errors_total{error="RuntimeError"} 1\n' in counters.render()
+
+
+def test_a_server_without_a_store_says_it_has_no_policy_to_show(served):
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(served[1] + "/v1/autotune/policy")
+    assert refused.value.code == 404 and "keeps no store" in json.loads(refused.value.read())["error"]["message"]
 
 
 def test_with_an_api_key_the_v1_routes_need_it(served):
