@@ -227,6 +227,9 @@ class _Handler(BaseHTTPRequestHandler):
             request, ids = self._read()
         except BadRequest as exc:
             return self._json(exc.body(), exc.status)
+        except Exception as exc:  # the tokenizer's own failure: the client still gets an answer
+            failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
+            return self._json(failure.body(), failure.status)
         prefix = "chatcmpl" if request.chat else "cmpl"
         self.request_id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         if request.stream:
