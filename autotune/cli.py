@@ -210,6 +210,13 @@ def cmd_bench(args) -> None:
         print(json.dumps(result, indent=2))
         if not result["identical_outputs"]:
             raise CheckFailed("outputs differ between a shared and an unshared prefill")
+    elif args.what == "lengths":
+        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
+        result = bench.bench_lengths(engine, _classes(args), arms, 8 if args.quick else args.batch_size,
+                                     1 if args.quick else args.prompts)
+        print(json.dumps(result, indent=2))
+        if not result["identical_outputs"]:
+            raise CheckFailed("outputs differ between grouped and one-forward prefills")
     elif args.what in ("concurrency", "serve"):
         clients, per_client = (8, 2) if args.quick else (args.clients, 4)
         run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
@@ -330,9 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
-                                            " store, limits, cache, choices, concurrency, serve"))
+                                            " store, limits, cache, choices, lengths, concurrency, serve"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
-                                    "limits", "cache", "choices", "concurrency", "serve"])
+                                    "limits", "cache", "choices", "lengths", "concurrency", "serve"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -356,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--n", type=int, default=8, help="bench choices: choices per request")
+    p.add_argument("--batch-size", type=int, default=16, help="bench lengths: requests per batch")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")
     p.add_argument("--llama-shapes", action="store_true",
                    help="bench limits: random bf16 models shaped like Llama-3.1-8B / Llama-3.2-1B (CUDA)")

@@ -146,21 +146,24 @@ def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:
 
 
 PROMPT_LOGITS_BUDGET = 1 << 26  # logits (rows x positions x vocabulary) a prefill that scores prompts holds at once
+# What one more prefill forward costs beyond its tokens, in tokens of prefill: a forward's fixed
+# cost (8 layers x ~1.2 ms of the family's target on the CPU) is about what 128-256 tokens of it
+# cost; a prefill pays for padding rows to its longest one, so rows of very different lengths
+# are fed in separate forwards when that saves more padding than this.
+FORWARD_COST_TOKENS = 256
 
 
 def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
               share: bool = True) -> tuple[BatchCache, torch.Tensor, list[list[dict[int, float] | None] | None]]:
-    """A batch cache of `seqs` from position 0, each row's last logits [B, V] (rows
-    right-aligned), and the prompt log-probabilities of the rows with a `scores` entry (vLLM's
-    prompt_logprobs, that many likeliest per token; else None).
+    """A batch cache of `seqs` from position 0, each row's last logits [B, V], and the prompt
+    log-probabilities of the rows with a `scores` entry (vLLM's prompt_logprobs, that many
+    likeliest per token; else None).
 
     Rows with the same tokens and scoring (a request's n choices) are fed once and their cache
     rows copied: prefill costs about its tokens on a busy device (a 512-token prompt took 41 ms
     on the family's target alone, 325 ms as 8 rows, on the CPU); `share=False` feeds every row
-    (the baseline of `autotune bench choices`). When prompts are scored the rows are fed in
-    chunks of positions, each chunk's logits reduced to entries before the next, so a batch of
-    long prompts (an evaluation harness's log-likelihoods) holds at most PROMPT_LOGITS_BUDGET
-    logits, not rows x prompt x vocabulary (16 x 1000 x 32k: 2 GB in float32)."""
+    (the baseline of `autotune bench choices`). Rows are fed in groups of similar length
+    (`length_groups`), so short prompts are not padded to a long one's length."""
     scores = scores if scores is not None else [None] * len(seqs)
     fed: list[list[int]] = []
     fed_scores: list[int | None] = []
@@ -173,30 +176,69 @@ def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | 
             fed.append(seq)
             fed_scores.append(top)
         source.append(where[key])
-    cache = BatchCache(model, len(fed))
-    ids, live = _block(fed, model.device, right=True)
-    positions = _positions(live, [0] * len(fed))
+    cache, lasts, entries, order = None, [], [None] * len(fed), []
+    for group in length_groups([len(seq) for seq in fed]):
+        part, last, scored = _prefill_group(model, [fed[i] for i in group], [fed_scores[i] for i in group])
+        if cache is None:
+            cache = part
+        else:
+            cache.extend(part)  # each row keeps its own slots; the shorter group's are padded with holes
+        lasts.append(last)
+        order += group
+        for i, row_entries in zip(group, scored):
+            entries[i] = row_entries
+    row_of = {f: r for r, f in enumerate(order)}  # a fed sequence -> its row in the cache
+    rows = [row_of[f] for f in source]
+    last = torch.cat(lasts)
+    if rows != list(range(len(order))):
+        cache.select(rows)
+        last = last[rows]
+    return cache, last, [entries[f] for f in source]
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """The indexes of `lengths` in groups to prefill one forward each, the cheapest split into
+    runs of sorted lengths when a forward costs FORWARD_COST_TOKENS plus rows x its longest row."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = [0] + [None] * len(order)  # best[j]: the cost of the first j sorted rows
+    cut = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            cost = best[i] + FORWARD_COST_TOKENS + (j - i) * lengths[order[j - 1]]
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None]
+                   ) -> tuple[BatchCache, torch.Tensor, list]:
+    """One forward's prefill of `seqs` (right-aligned). Where prompts are scored the rows are fed
+    in chunks of positions, each chunk's logits reduced to entries before the next, so a batch of
+    long prompts (an evaluation harness's log-likelihoods) holds at most PROMPT_LOGITS_BUDGET
+    logits, not rows x prompt x vocabulary (16 x 1000 x 32k: 2 GB in float32)."""
+    cache = BatchCache(model, len(seqs))
+    ids, live = _block(seqs, model.device, right=True)
+    positions = _positions(live, [0] * len(seqs))
     width = ids.shape[1]
-    entries: list = [None if top is None else [None] for top in fed_scores]
-    if all(top is None for top in fed_scores):
-        last = cache.forward(ids, positions, live, keep=1)[:, -1]
-    else:
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        chunk = max(1, PROMPT_LOGITS_BUDGET // (len(fed) * vocab))
-        for start in range(0, width, chunk):
-            end = min(start + chunk, width)
-            logits = cache.forward(ids[:, start:end], positions[:, start:end], live[:, start:end], keep=0)
-            for b, top in enumerate(fed_scores):
-                first = width - len(fed[b])  # the row's first column; a column's logits score the next token
-                lo, hi = max(start, first), min(end, width - 1)
-                if top is not None and lo < hi:
-                    logp = torch.log_softmax(logits[b, lo - start:hi - start].float(), dim=-1)
-                    entries[b] += token_logprobs(logp, fed[b][lo + 1 - first:hi + 1 - first], top)
-            last = logits[:, -1]
-    if len(fed) < len(seqs):
-        cache.select(source)
-        last = last[source]
-    return cache, last, [entries[i] for i in source]
+    entries: list = [None if top is None else [None] for top in scores]
+    if all(top is None for top in scores):
+        return cache, cache.forward(ids, positions, live, keep=1)[:, -1], entries
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    chunk = max(1, PROMPT_LOGITS_BUDGET // (len(seqs) * vocab))
+    for start in range(0, width, chunk):
+        end = min(start + chunk, width)
+        logits = cache.forward(ids[:, start:end], positions[:, start:end], live[:, start:end], keep=0)
+        for b, top in enumerate(scores):
+            first = width - len(seqs[b])  # the row's first column; a column's logits score the next token
+            lo, hi = max(start, first), min(end, width - 1)
+            if top is not None and lo < hi:
+                logp = torch.log_softmax(logits[b, lo - start:hi - start].float(), dim=-1)
+                entries[b] += token_logprobs(logp, seqs[b][lo + 1 - first:hi + 1 - first], top)
+    return cache, logits[:, -1], entries
 
 
 def _block(seqs: list[list[int]], device, right: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,6 +96,58 @@ def test_rows_with_one_prompt_prefill_it_once_and_each_draws_what_it_draws_alone
                                                                          abs=1e-5)
 
 
+def test_length_groups_are_the_cheapest_split_of_the_sorted_lengths():
+    """Against every split of the sorted lengths into runs (a forward costs FORWARD_COST_TOKENS
+    plus rows x its longest)."""
+    import itertools
+    import random
+
+    from engine.batch import FORWARD_COST_TOKENS, length_groups
+
+    def cost(groups, lengths):
+        return sum(FORWARD_COST_TOKENS + len(g) * max(lengths[i] for i in g) for g in groups)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.choice([rng.randint(1, 40), rng.randint(100, 900)]) for _ in range(rng.randint(1, 7))]
+        groups = length_groups(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))], lengths)
+                   for r in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), r))
+        assert cost(groups, lengths) == best
+    assert length_groups([5, 300, 6, 280]) == [[0, 2], [3, 1]] and length_groups([20, 30, 40]) == [[0, 1, 2]]
+
+
+def test_rows_of_very_different_lengths_prefill_in_groups_and_decode_as_alone(engine, monkeypatch):
+    """Short prompts are not padded to a long one's length: two forwards (target and drafter
+    each), and every row, shared, scored, greedy or sampled, gets what it gets alone."""
+    from engine.batch import BatchCache
+
+    fed, forward = [], BatchCache.forward
+
+    def counting(self, ids, *args, **kwargs):
+        if self.slots == 0:
+            fed.append(tuple(ids.shape))
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(BatchCache, "forward", counting)
+    short = prompts(3, seed=61)
+    long = [sum(prompts(8, seed=62 + i), []) for i in range(2)]  # about 150 tokens each
+    batch = [short[0], long[0], short[1], long[1], short[2], long[0]]
+    params = [SamplingParams(), SamplingParams(prompt_logprobs=1), SamplingParams(1.0, seed=2), SamplingParams(),
+              SamplingParams(0.7, seed=4), SamplingParams(prompt_logprobs=1)]
+    for arm in ("off", "hybrid:3"):
+        fed.clear()
+        out = engine.generate_batch(batch, arm, 12, params)
+        assert [rows for rows, _ in fed] == [3, 2] * (1 if arm == "off" else 2), fed  # short ones, then long ones
+        for r, p, s in zip(out.results, batch, params):
+            alone = engine.generate(p, arm, 12, s)
+            assert r.tokens == alone.tokens, arm
+            if s.prompt_logprobs is not None:
+                assert [sorted(e) for e in r.prompt_logprobs[1:]] == [sorted(e) for e in alone.prompt_logprobs[1:]]
+
+
 def test_scored_prompts_are_prefilled_in_chunks_within_the_logits_budget(engine, monkeypatch):
     """Prompt logprobs of a batch (an evaluation harness's log-likelihoods) come from chunks of
     positions whose logits stay within the budget, and are those each prompt gets alone."""

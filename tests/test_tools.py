@@ -242,6 +242,15 @@ def test_bench_choices_serves_n_choices_alike_with_their_prompt_shared_or_fed_fo
     assert result["cases"]["40 tokens small:3"]["prompt_tokens"] == 40
 
 
+def test_bench_lengths_serves_mixed_lengths_alike_grouped_or_in_one_forward(small_store, classes):
+    from autotune.bench import bench_lengths
+
+    engine, _ = small_store
+    result = bench_lengths(engine, classes, [Arm(), Arm("small", 3)], size=4, batches=2)
+    assert result["identical_outputs"] is True and set(result["arms"]) == {"off", "small:3"}
+    assert result["arms"]["off"]["padded_over_real_tokens"] == 1.6  # 4 x 20 tokens padded over 20 + 5 + 20 + 5
+
+
 def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):
     from autotune.bench import bench_concurrency
 

@@ -8,7 +8,6 @@ run with its command).
 
 from autotune.bench.arms import BENCH_KS, bench_arms
 from autotune.bench.cache import bench_cache
-from autotune.bench.choices import bench_choices
 from autotune.bench.common import device_name
 from autotune.bench.concurrency import bench_concurrency
 from autotune.bench.controller import bench_controller, hindsight_arms
@@ -16,10 +15,11 @@ from autotune.bench.decisions import bench_decisions
 from autotune.bench.engine_speed import bench_engine
 from autotune.bench.limits import bench_limits, llama_shaped_engine
 from autotune.bench.lossless import bench_lossless
+from autotune.bench.prefill import bench_choices, bench_lengths
 from autotune.bench.replay import bench_replay
 from autotune.bench.serving import bench_serve
 from autotune.bench.store_speed import bench_store
 
 __all__ = ["BENCH_KS", "bench_arms", "bench_cache", "bench_choices", "bench_concurrency", "bench_controller",
-           "bench_decisions", "bench_engine", "bench_limits", "bench_lossless", "bench_replay", "bench_serve",
-           "bench_store", "device_name", "hindsight_arms", "llama_shaped_engine"]
+           "bench_decisions", "bench_engine", "bench_lengths", "bench_limits", "bench_lossless", "bench_replay",
+           "bench_serve", "bench_store", "device_name", "hindsight_arms", "llama_shaped_engine"]
