@@ -21,7 +21,15 @@ def engine(target, draft_model):
                                       "wrong": AlwaysWrongDrafter(target), "hybrid": HybridDrafter(draft_model)})
 
 
-def test_batched_greedy_equals_target_generate_for_every_arm(engine, target):
+@pytest.fixture(params=["grouped", "a forward per length"])
+def grouping(request, monkeypatch):
+    """Rows prefilled as the engine groups them, or each distinct length in a forward of its own
+    (the most groups: every join and drafter prefill appends and reorders cache rows)."""
+    if request.param != "grouped":
+        monkeypatch.setattr("engine.batch.FORWARD_COST_TOKENS", 0)
+
+
+def test_batched_greedy_equals_target_generate_for_every_arm(engine, target, grouping):
     batch = prompts(12)  # lengths 4..36: rows are padded differently
     limits = [9 + 3 * i for i in range(12)]  # rows finish at different rounds and leave the batch
     reference = [hf_greedy(target, p, n) for p, n in zip(batch, limits)]
@@ -182,7 +190,7 @@ def test_scored_prompts_are_prefilled_in_chunks_within_the_logits_budget(engine,
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
-def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm):
+def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, grouping):
     """Continuous batching: requests join between rounds (two at the 2nd round, one at the 5th,
     two more once every row before them is done) and decode as they do alone, greedy and
     sampled; each result is handed over the moment its row is done."""
@@ -226,7 +234,7 @@ class Recorder:
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
-def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
+def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, grouping):
     """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
     its random stream goes on), the stream (the prompt once, every token once, ended once) and
@@ -268,7 +276,7 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm):
         assert out.metrics.new_tokens == 10 + 24 - len(head.tokens)
 
 
-def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target):
+def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target, grouping):
     """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, n-gram,
     hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row)."""
     batch, limits = prompts(6, seed=21), [10 + 4 * i for i in range(6)]
