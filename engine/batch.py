@@ -113,6 +113,18 @@ class BatchCache:
         self.position = torch.cat([torch.nn.functional.pad(position, (0, slots - position.shape[1]))
                                    for position in (self.position, other.position)])
 
+    @classmethod
+    def of(cls, model: PreTrainedModel, cached: list[tuple[torch.Tensor, torch.Tensor]]) -> BatchCache:
+        """A one-row batch cache holding `cached` (ModelRunner.cached): a paused request's keys and
+        values, so it joins a batch without a second prefill."""
+        out = cls(model, 1)
+        for layer, (keys, values) in zip(out.cache.layers, cached, strict=True):
+            layer.update(keys, values)
+        length = cached[0][0].shape[-2]
+        out.keep = torch.ones(1, length, dtype=torch.bool, device=model.device)
+        out.position = torch.arange(length, device=model.device)[None]
+        return out
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch); a row may be repeated."""
         index = torch.tensor(rows, device=self.keep.device)
@@ -154,46 +166,56 @@ FORWARD_COST_TOKENS = 256
 
 
 def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
-              share: bool = True) -> tuple[BatchCache, torch.Tensor, list[list[dict[int, float] | None] | None]]:
-    """A batch cache of `seqs` from position 0, each row's last logits [B, V], and the prompt
-    log-probabilities of the rows with a `scores` entry (vLLM's prompt_logprobs, that many
-    likeliest per token; else None).
+              cached: list | None = None, share: bool = True
+              ) -> tuple[BatchCache, list[torch.Tensor | None], list[list[dict[int, float] | None] | None]]:
+    """A batch cache of `seqs` from position 0, each row's last logits [1, V] (None for a
+    `cached` row), and the prompt log-probabilities of the rows with a `scores` entry (vLLM's
+    prompt_logprobs, that many likeliest per token; else None).
 
     Rows with the same tokens and scoring (a request's n choices) are fed once and their cache
     rows copied: prefill costs about its tokens on a busy device (a 512-token prompt took 41 ms
     on the family's target alone, 325 ms as 8 rows, on the CPU); `share=False` feeds every row
     (the baseline of `autotune bench choices`). Rows are fed in groups of similar length
-    (`length_groups`), so short prompts are not padded to a long one's length."""
+    (`length_groups`), so short prompts are not padded to a long one's length. A row with a
+    `cached` entry (a paused request's keys and values, ModelRunner.cached) is not fed at all."""
     scores = scores if scores is not None else [None] * len(seqs)
+    cached = cached if cached is not None else [None] * len(seqs)
     fed: list[list[int]] = []
     fed_scores: list[int | None] = []
+    fed_cached: list = []
     where: dict[tuple, int] = {}  # (sequence, scoring) -> its row among those fed
     source = []  # each row's row among those fed
-    for b, (seq, top) in enumerate(zip(seqs, scores)):
-        key = (tuple(seq), top) if share else (b,)
+    for b, (seq, top, kv) in enumerate(zip(seqs, scores, cached)):
+        key = (tuple(seq), top) if share and kv is None else (b,)
         if key not in where:
             where[key] = len(fed)
             fed.append(seq)
             fed_scores.append(top)
+            fed_cached.append(kv)
         source.append(where[key])
-    cache, lasts, entries, order = None, [], [None] * len(fed), []
-    for group in length_groups([len(seq) for seq in fed]):
-        part, last, scored = _prefill_group(model, [fed[i] for i in group], [fed_scores[i] for i in group])
+    fresh = [i for i, kv in enumerate(fed_cached) if kv is None]
+    groups = [[i] for i, kv in enumerate(fed_cached) if kv is not None]
+    groups += [[fresh[k] for k in group] for group in length_groups([len(fed[i]) for i in fresh])]
+    cache, lasts, entries, order = None, [None] * len(fed), [None] * len(fed), []
+    for group in groups:
+        if fed_cached[group[0]] is not None:  # a resumed row: its next token was drawn before the pause
+            part, scored = BatchCache.of(model, fed_cached[group[0]]), [None]
+        else:
+            part, last, scored = _prefill_group(model, [fed[i] for i in group], [fed_scores[i] for i in group])
+            for k, i in enumerate(group):
+                lasts[i] = last[k:k + 1]
         if cache is None:
             cache = part
         else:
             cache.extend(part)  # each row keeps its own slots; the shorter group's are padded with holes
-        lasts.append(last)
         order += group
         for i, row_entries in zip(group, scored):
             entries[i] = row_entries
     row_of = {f: r for r, f in enumerate(order)}  # a fed sequence -> its row in the cache
     rows = [row_of[f] for f in source]
-    last = torch.cat(lasts)
     if rows != list(range(len(order))):
         cache.select(rows)
-        last = last[rows]
-    return cache, last, [entries[f] for f in source]
+    return cache, [lasts[f] for f in source], [entries[f] for f in source]
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -277,6 +299,7 @@ class Row:
     streamer: Streamer | None = None
     stream_error: str | None = None  # its streamer raised: the row leaves the batch
     resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
+    cached: list | None = None  # a paused request's keys and values of all but its last token: no prefill
     seen: int = 0  # tokens the drafter's cache holds for this row
     logprobs: list[dict[int, float]] | None = None  # per output token since it joined, if asked for
     prompt_logprobs: list[dict[int, float] | None] | None = None  # if asked for (a paused request's: its own)
@@ -392,13 +415,15 @@ class BatchRun:
         # A paused request's last token is the one its next round feeds (the cache holds all
         # but the last token), so it resumes drawing exactly where it stopped.
         asked = [r.sampling.prompt_logprobs if r.resumes is None else None for r in rows]
-        cache, logits, scored = prefilled(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked)
+        cache, logits, scored = prefilled(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked,
+                                          [r.cached if r.resumes else None for r in rows])
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
+            r.cached = None  # in the batch's cache now
             if asked[b] is not None:
                 r.prompt_logprobs = scored[b]
             if r.resumes is None:
-                first, r.logprobs = commit(logits[b:b + 1], r.tokens, [], None, r.sampling, r.stopping, r.generator)
+                first, r.logprobs = commit(logits[b], r.tokens, [], None, r.sampling, r.stopping, r.generator)
                 r.tokens += first
         draft_prefill = 0.0
         drafter_cache = None

@@ -126,8 +126,9 @@ class GenerationMetrics:
 class BatchRequest:
     """A request joining a running batch (`generate_batch`'s `admit`), or the rest of a request
     `generate` paused (its `rest`): that one carries the output so far (`resumes`: the result
-    of the paused part, whose tokens end `prompt`, added to the batch's result), and its random
-    stream, so its draws go on where they stopped."""
+    of the paused part, whose tokens end `prompt`, added to the batch's result), its random
+    stream, so its draws go on where they stopped, and the target's keys and values over all
+    of `prompt` but its last token (`cached`), so it joins a batch without a second prefill."""
 
     prompt: str | list[int] | torch.Tensor
     max_new_tokens: int = 64
@@ -135,6 +136,7 @@ class BatchRequest:
     streamer: Streamer | None = None
     resumes: GenerationResult | None = None
     generator: torch.Generator | None = None
+    cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the paused part's (ModelRunner.cached)
 
 
 @dataclass
@@ -523,7 +525,8 @@ class SpeculativeEngine:
         if self.tokenizer is not None:
             result.text = stopping.text(result.tokens)
         if paused:
-            result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator)
+            result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator,
+                                       self.runner.cached(len(tokens) - 1))
         else:
             result.finish_reason = finish_reason(stopped, result.stream_error)
         return result
@@ -589,7 +592,8 @@ class SpeculativeEngine:
         generator = request.generator if request.generator is not None else self._generator(sampling)
         output_start = request.resumes.metrics.prompt_tokens if request.resumes is not None else ids.numel()
         return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,
-                   self.stopping(sampling, output_start), request.streamer, resumes=request.resumes)
+                   self.stopping(sampling, output_start), request.streamer, resumes=request.resumes,
+                   cached=request.cached)
 
     def _end_ids(self, sampling: SamplingParams) -> set[int]:
         """The token ids that end this request's output: the model's EOS unless ignored, and its stop ids."""

@@ -251,6 +251,15 @@ class ModelRunner:
         return self.model(tokens, **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=keep,
                           cache_position=positions, position_ids=positions[None]).logits[0]
 
+    def cached(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """A copy of each layer's keys and values [1, heads, length, width] for the first `length`
+        positions, so a paused request joins a batch without a second prefill; None for a model
+        with recurrent layers (batches do not take them)."""
+        if self.recurrent or self._cache is None:
+            return None
+        return [(layer.keys[..., :length, :].clone(), layer.values[..., :length, :].clone())
+                for layer in self._cache.layers]
+
     def truncate(self, length: int) -> None:
         """Forget cached positions beyond `length` (rejected drafts); the prefix is never recomputed
         (but for linear-attention layers, see `_roll_back_states`)."""

@@ -234,12 +234,23 @@ class Recorder:
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
-def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, grouping):
+def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, grouping, monkeypatch):
     """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
     its random stream goes on), the stream (the prompt once, every token once, ended once) and
     the counts over both parts and its logprobs and prompt logprobs are the request's own; the
-    batch's metrics count its own work."""
+    batch's metrics count its own work. The target's cache of the paused part joins the batch's,
+    so the target prefills the other request only."""
+    from engine.batch import BatchCache
+
+    fed, forward = [], BatchCache.forward
+
+    def counting(self, ids, *args, **kwargs):
+        if self.slots == 0 and self.model is engine.target:
+            fed.append(ids.shape[0])
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(BatchCache, "forward", counting)
     prompt, other = prompts(2, seed=31)
     for sampling in (SamplingParams(logprobs=1, prompt_logprobs=1), SamplingParams(1.0, top_p=0.9, seed=7, logprobs=1)):
         alone = engine.generate(prompt, arm, 24, sampling)
@@ -254,7 +265,10 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, gro
         assert head.finish_reason is None  # not finished: paused
         assert head.tokens == alone.tokens[:len(head.tokens)]
         session = engine.open_batch(arm)
+        assert head.rest.cached is not None and head.rest.cached[0][0].shape[-2] == len(prompt) + len(head.tokens) - 1
+        fed.clear()
         session.add([BatchRequest(other, 10, SamplingParams(seed=1, prompt_logprobs=0)), head.rest])
+        assert fed == [1]
         while session.live_rows:
             session.step()
         out = session.close()
