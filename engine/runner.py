@@ -120,11 +120,12 @@ class ModelRunner:
                              " throws off: use the dynamic cache")
         self._checkpoint: StateCheckpoint | None = None
         self._fed: list[torch.Tensor] = []
-        # Mamba-style models take their cache as `cache_params` (a `past_key_values` would be dropped
-        # into **kwargs, and every step would start from a fresh cache).
+        # Mamba-style models take their cache as `cache_params` (transformers 5.23) or `cache`
+        # (5.24): a `past_key_values` would be dropped into **kwargs, and every step would start
+        # from a fresh cache.
         forward = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache_params" if "cache_params" in forward and "past_key_values" not in forward \
-            else "past_key_values"
+        self._cache_arg = "past_key_values" if "past_key_values" in forward else next(
+            (name for name in ("cache_params", "cache") if name in forward), "past_key_values")
         self.verifies = True  # a step of several tokens continues from the cache (see `_check_steps`)
         if self.recurrent:
             self._check_steps()
