@@ -99,7 +99,7 @@ def cmd_serve(args) -> None:
     engine = _serving_engine(args)
     name = args.served_model_name or (Path(args.target).name if args.target else "spec-autotune")
     with Store(args.db, label="serve") as store, AutotuneController(
-            engine, store, policy=args.policy, max_batch=args.max_batch,
+            engine, store, policy=args.policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
             classifier=RequestClassifier.from_store(store)) as controller:  # classes of the store's labelled history
         server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
                                   api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"))
@@ -217,6 +217,17 @@ def cmd_bench(args) -> None:
         print(json.dumps(result, indent=2))
         if not result["identical_outputs"]:
             raise CheckFailed("outputs differ between grouped and one-forward prefills")
+    elif args.what == "chunked":
+        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
+        chunks = (None, 64) if args.quick else (None, *args.prefill_chunk)
+        result = bench.bench_chunked(engine, _classes(args), arms, chunks, rows=4 if args.quick else 8,
+                                     joins=2 if args.quick else 6, long_tokens=200 if args.quick else 900,
+                                     every=8 if args.quick else 24, rounds=1 if args.quick else 2)
+        result["clients"] = bench.bench_chunked_clients(engine, _classes(args), chunks, *((4, 2, 1) if args.quick else
+                                                                                        (args.clients, 4, 3)))
+        print(json.dumps(result, indent=2))
+        if not (result["identical_outputs"] and result["clients"]["identical_outputs"]):
+            raise CheckFailed("outputs differ between chunked and whole prefills")
     elif args.what in ("concurrency", "serve"):
         clients, per_client = (8, 2) if args.quick else (args.clients, 4)
         run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
@@ -315,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
     p.add_argument("--policy", default="ucb")
     p.add_argument("--max-batch", type=int, default=16, help="requests served together at most (1: one at a time)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, metavar="TOKENS",
+                   help="a request joining a batch that decodes is prefilled at most this many tokens a round"
+                        " (chunked prefill; 0: in one go)")
     p.add_argument("--target", help="a local Hugging Face model folder to serve instead of the family")
     p.add_argument("--drafter", action="append", metavar="NAME=PATH", help="with --target: a drafter model folder")
     p.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
@@ -337,9 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
-                                            " store, limits, cache, choices, lengths, concurrency, serve"))
+                                            " store, limits, cache, choices, lengths, chunked, concurrency, serve"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
-                                    "limits", "cache", "choices", "lengths", "concurrency", "serve"])
+                                    "limits", "cache", "choices", "lengths", "chunked", "concurrency", "serve"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -364,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--n", type=int, default=8, help="bench choices: choices per request")
     p.add_argument("--batch-size", type=int, default=16, help="bench lengths: requests per batch")
+    p.add_argument("--prefill-chunk", type=int, nargs="+", default=[512, 2048], metavar="TOKENS",
+                   help="bench chunked: chunk sizes compared with prefilling in one go")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")
     p.add_argument("--llama-shapes", action="store_true",
                    help="bench limits: random bf16 models shaped like Llama-3.1-8B / Llama-3.2-1B (CUDA)")

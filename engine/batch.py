@@ -13,9 +13,10 @@ still sees itself, so no query row is fully masked). Positions are per row, so a
 exactly as it would alone: greedy output equals the target's own greedy output, and a
 sampled row draws from its own generator in the same order as `SpeculativeEngine.generate`.
 Finished rows leave the batch, and new requests can join it between rounds (`BatchRun.admit`:
-continuous batching, as vLLM and SGLang schedule every step), and so can a request paused on
-the one-request path (`SpeculativeEngine.generate`'s `pause`): its prompt and output so far are
-prefilled, and it goes on drawing where it stopped. Eager only
+continuous batching, as vLLM and SGLang schedule every step; with a `prefill_chunk`, a chunk of
+a joiner's prefill runs each round while the rows decode: chunked prefill), and so can a
+request paused on the one-request path (`SpeculativeEngine.generate`'s `pause`): its target
+cache is handed over, and it goes on drawing where it stopped. Eager only
 (kvcache.GrowingCache); model, n-gram and hybrid drafters (the engine refuses others): in a
 hybrid round, rows whose context repeats take lookup drafts and the others share the model's
 batched steps.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -178,6 +180,27 @@ def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | 
     (the baseline of `autotune bench choices`). Rows are fed in groups of similar length
     (`length_groups`), so short prompts are not padded to a long one's length. A row with a
     `cached` entry (a paused request's keys and values, ModelRunner.cached) is not fed at all."""
+    return finish(prefill_steps(model, seqs, scores, cached, share))
+
+
+def finish(steps: Generator[int, None, tuple]) -> tuple:
+    """Run `prefill_steps` to its end; what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
+                  cached: list | None = None, share: bool = True, chunk_tokens: int | None = None
+                  ) -> Generator[int, None, tuple]:
+    """`prefilled` a forward at a time: the generator stops before each forward, yielding the
+    tokens it will feed (rows x columns, padding included), and returns what `prefilled` does.
+    With `chunk_tokens`, no forward feeds more than that many (one column at least): a batch
+    runs such forwards up to that many tokens a round while its rows go on decoding (chunked
+    prefill, as vLLM's), so a long prompt joining stalls them for a chunk, not for its whole
+    prefill."""
     scores = scores if scores is not None else [None] * len(seqs)
     cached = cached if cached is not None else [None] * len(seqs)
     fed: list[list[int]] = []
@@ -201,7 +224,8 @@ def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | 
         if fed_cached[group[0]] is not None:  # a resumed row: its next token was drawn before the pause
             part, scored = BatchCache.of(model, fed_cached[group[0]]), [None]
         else:
-            part, last, scored = _prefill_group(model, [fed[i] for i in group], [fed_scores[i] for i in group])
+            part, last, scored = yield from _prefill_group(model, [fed[i] for i in group],
+                                                           [fed_scores[i] for i in group], chunk_tokens)
             for k, i in enumerate(group):
                 lasts[i] = last[k:k + 1]
         if cache is None:
@@ -236,10 +260,11 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
     return groups[::-1]
 
 
-def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None]
-                   ) -> tuple[BatchCache, torch.Tensor, list]:
-    """One forward's prefill of `seqs` (right-aligned). Where prompts are scored the rows are fed
-    in chunks of positions, each chunk's logits reduced to entries before the next, so a batch of
+def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None],
+                   chunk_tokens: int | None = None) -> Generator[int, None, tuple[BatchCache, torch.Tensor, list]]:
+    """The prefill of `seqs` (right-aligned), stopping before each forward: one forward, or
+    chunks of columns of at most `chunk_tokens` tokens. Where prompts are scored the rows are
+    fed in chunks too, each chunk's logits reduced to entries before the next, so a batch of
     long prompts (an evaluation harness's log-likelihoods) holds at most PROMPT_LOGITS_BUDGET
     logits, not rows x prompt x vocabulary (16 x 1000 x 32k: 2 GB in float32)."""
     cache = BatchCache(model, len(seqs))
@@ -247,13 +272,18 @@ def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[i
     positions = _positions(live, [0] * len(seqs))
     width = ids.shape[1]
     entries: list = [None if top is None else [None] for top in scores]
-    if all(top is None for top in scores):
-        return cache, cache.forward(ids, positions, live, keep=1)[:, -1], entries
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    chunk = max(1, PROMPT_LOGITS_BUDGET // (len(seqs) * vocab))
+    scoring = any(top is not None for top in scores)
+    chunk = width
+    if scoring:
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        chunk = max(1, PROMPT_LOGITS_BUDGET // (len(seqs) * vocab))
+    if chunk_tokens is not None:
+        chunk = min(chunk, max(1, chunk_tokens // len(seqs)))
     for start in range(0, width, chunk):
         end = min(start + chunk, width)
-        logits = cache.forward(ids[:, start:end], positions[:, start:end], live[:, start:end], keep=0)
+        yield len(seqs) * (end - start)
+        logits = cache.forward(ids[:, start:end], positions[:, start:end], live[:, start:end],
+                               keep=0 if scoring else 1)
         for b, top in enumerate(scores):
             first = width - len(seqs[b])  # the row's first column; a column's logits score the next token
             lo, hi = max(start, first), min(end, width - 1)
@@ -355,6 +385,17 @@ class BatchDrafter:
         row.seen += fed
 
 
+@dataclass
+class _Join:
+    """Requests admitted while rows decode, their target prefill run a chunk per round."""
+
+    indexes: list[int]  # into the run's rows
+    steps: Generator[int, None, tuple]  # prefill_steps, stopped before its next forward
+    size: int  # the tokens of that forward
+    forwards: int = 0  # run so far
+    target_s: float = 0.0  # seconds its forwards took
+
+
 class BatchRun:
     """A batch decoding that requests join between rounds (continuous batching), on an arm that
     may change between rounds.
@@ -364,14 +405,27 @@ class BatchRun:
     padded with holes: masks and per-row positions already keep rows apart, so a row decodes
     exactly as it would alone whenever it joined. A switch to another model drafter prefills
     that drafter over every live row's context; K and n-gram lookup need nothing.
+
+    With `prefill_chunk` (tokens), requests admitted while rows decode wait in `joins` and their
+    target prefill runs at most that many tokens per round (vLLM's token budget of a step), in
+    forwards before the round's draft and verify (chunked prefill); they join when it is done,
+    so a join that fits the budget joins as it would at once. A join that fails there is
+    retried a request at a time, and a request that fails alone is reported in `failed` while
+    the batch goes on.
     """
 
-    def __init__(self, target: PreTrainedModel, drafter, k: int, batch, clock) -> None:
+    def __init__(self, target: PreTrainedModel, drafter, k: int, batch, clock,
+                 prefill_chunk: int | None = None) -> None:
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InvalidRequestError(f"prefill_chunk must be a positive number of tokens, not {prefill_chunk}")
         self.target, self.batch, self.clock = target, batch, clock
+        self.prefill_chunk = prefill_chunk
         self.rows: list[Row] = []
         self.metrics: list = []  # one GenerationMetrics per row
         self.live: list[int] = []  # indexes into rows/metrics, in the caches' row order
+        self.joins: list[_Join] = []  # admitted, prefilling a chunk per round (oldest first)
         self.finished: list[int] = []  # rows done since the caller last took them
+        self.failed: list[tuple[int, Exception]] = []  # rows whose prefill failed, since the caller last took them
         self.target_cache: BatchCache | None = None
         self.batch_drafter: BatchDrafter | None = None
         self.fell_back, self.error = False, None
@@ -409,43 +463,114 @@ class BatchRun:
         return self.clock() - self.started - self.batch.stream_s
 
     def admit(self, rows: list[Row], metrics: list) -> None:
-        """Prefill `rows` and add them to the batch from the next round on."""
-        began = self.clock()
-        joined_at = began - self.started - self.batch.stream_s
-        # A paused request's last token is the one its next round feeds (the cache holds all
-        # but the last token), so it resumes drawing exactly where it stopped.
+        """Add `rows` to the batch: prefilled now, or, with `prefill_chunk` while rows decode,
+        within each round's budget from the next round on (a waiting join nothing has been fed
+        for yet takes them in). Their indexes are the next ones either way."""
+        joined_at = self.elapsed()
+        for r in rows:
+            r.joined_s = joined_at
+        if self.prefill_chunk is None or not self.live or all(r.resumes is not None for r in rows):
+            began = self.clock()
+            done = finish(self._prefill(rows, None))
+            spent = self.clock() - began
+            self.batch.prefill_s += spent
+            first = len(self.rows)
+            self.rows += rows
+            self.metrics += metrics
+            self._join(list(range(first, len(self.rows))), done, spent)
+            return
+        waiting = self.joins[-1] if self.joins and not self.joins[-1].forwards else None
+        indexes = (waiting.indexes if waiting else []) + list(range(len(self.rows), len(self.rows) + len(rows)))
+        steps = self._prefill([*(self.rows[i] for i in waiting.indexes), *rows] if waiting else rows,
+                              self.prefill_chunk)
+        size = next(steps)  # set up, to just before its first forward (a fresh row has one)
+        self.rows += rows
+        self.metrics += metrics
+        if waiting:
+            waiting.indexes, waiting.steps, waiting.size = indexes, steps, size
+        else:
+            self.joins.append(_Join(indexes, steps, size))
+
+    def _prefill(self, rows: list[Row], chunk_tokens: int | None) -> Generator[int, None, tuple]:
+        """The target's prefill of rows joining. A paused request's last token is the one its
+        next round feeds (the cache holds all but the last token), so it resumes drawing exactly
+        where it stopped."""
         asked = [r.sampling.prompt_logprobs if r.resumes is None else None for r in rows]
-        cache, logits, scored = prefilled(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked,
-                                          [r.cached if r.resumes else None for r in rows])
+        return prefill_steps(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked,
+                             [r.cached if r.resumes else None for r in rows], chunk_tokens=chunk_tokens)
+
+    def _advance_joins(self) -> None:
+        """Prefill forwards of the waiting joins, oldest first, while this round's stay within
+        `prefill_chunk` tokens (one forward at least); while no row decodes, every waiting join
+        to its end (nothing stalls on them)."""
+        fed = 0
+        while self.joins:
+            join = self.joins[0]
+            if self.live and fed and fed + join.size > self.prefill_chunk:
+                return
+            fed += join.size
+            began = self.clock()
+            done = None
+            try:
+                join.size = next(join.steps)
+            except StopIteration as stop:
+                done = stop.value
+            except Exception as exc:  # memory, a model error: retried a request at a time
+                self.batch.prefill_s += self.clock() - began
+                self.joins.pop(0)
+                self._join_failed(join, exc)
+                continue
+            spent = self.clock() - began
+            join.forwards += 1
+            join.target_s += spent
+            self.batch.prefill_s += spent
+            if done is not None:
+                self.joins.pop(0)
+                self._join(join.indexes, done, join.target_s)
+
+    def _join_failed(self, join: _Join, exc: Exception) -> None:
+        """A waiting join's prefill raised: each of several requests is tried again alone (at the
+        front of the queue); one alone fails, and the batch goes on without it."""
+        if len(join.indexes) == 1:
+            i = join.indexes[0]
+            self.rows[i].done = True
+            self.failed.append((i, exc))
+            return
+        alone = []
+        for i in join.indexes:
+            steps = self._prefill([self.rows[i]], self.prefill_chunk)
+            alone.append(_Join([i], steps, next(steps)))
+        self.joins[:0] = alone
+
+    def _join(self, indexes: list[int], prefill: tuple, target_s: float) -> None:
+        """Rows whose target prefill is done join the batch: each draws its first token, the
+        drafter's cache is prefilled for them, and both caches take them as more rows."""
+        rows = [self.rows[i] for i in indexes]
+        cache, logits, scored = prefill
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
             r.cached = None  # in the batch's cache now
-            if asked[b] is not None:
-                r.prompt_logprobs = scored[b]
             if r.resumes is None:
+                if r.sampling.prompt_logprobs is not None:
+                    r.prompt_logprobs = scored[b]
                 first, r.logprobs = commit(logits[b], r.tokens, [], None, r.sampling, r.stopping, r.generator)
                 r.tokens += first
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
         if model is not None:
-            target_done = self.clock()
+            began = self.clock()
             try:
                 drafter_cache = BatchDrafter(model, rows)
             except Exception as exc:  # speculation must never lose a request
                 self._fall_back(exc)
-            draft_prefill = self.clock() - target_done
-        prefill = self.clock() - began
-        self.batch.prefill_s += prefill
+            draft_prefill = self.clock() - began
+        self.batch.prefill_s += draft_prefill
         self.batch.draft_prefill_s += draft_prefill
-        for r, m in zip(rows, metrics):
+        for r, i in zip(rows, indexes):
             r.stopped = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None
             r.done = r.stopped or r.remaining <= 0
-            r.joined_s = joined_at
-            m.prefill_s, m.draft_prefill_s = prefill, draft_prefill
-        first = len(self.rows)
-        self.rows += rows
-        self.metrics += metrics
+            self.metrics[i].prefill_s, self.metrics[i].draft_prefill_s = target_s + draft_prefill, draft_prefill
         if self.live:
             self.target_cache.extend(cache)
             if self.batch_drafter is not None:
@@ -453,7 +578,7 @@ class BatchRun:
         else:  # the first rows, or every row before them has finished
             self.target_cache = cache
             self.batch_drafter = drafter_cache
-        self.live += range(first, len(self.rows))
+        self.live += indexes
         _stream(rows, [r.prompt_len for r in rows], self.batch, prompt=True)
         self._drop_finished()
 
@@ -463,7 +588,11 @@ class BatchRun:
         self.error = f"{type(exc).__name__}: {exc}"
 
     def step(self) -> None:
-        """One round for every live row: draft, verify, commit."""
+        """One round for every live row: draft, verify, commit (after a chunk of a waiting join's
+        prefill)."""
+        self._advance_joins()
+        if not self.live:
+            return
         now = self.clock()
         active = [self.rows[i] for i in self.live]
         ks = [max(0, min(self.k, r.remaining - 1)) if self.drafter is not None else 0 for r in active]

@@ -541,6 +541,7 @@ class SpeculativeEngine:
         streamers: list[Streamer | None] | None = None,
         admit: Callable[[int], list[BatchRequest]] | None = None,
         on_done: Callable[[int, GenerationResult], None] | None = None,
+        prefill_chunk: int | None = None,
     ) -> BatchResult:
         """Decode several requests together, in one forward pass per round, on one arm.
 
@@ -554,7 +555,7 @@ class SpeculativeEngine:
         rows decoding, returns requests (`BatchRequest`) that join the batch there, on its arm,
         checked as its own prompts are. `on_done(i, result)` gets each request's result as soon
         as the request is done; i counts the prompts, then the joiners in order, as the returned
-        results do.
+        results do. `prefill_chunk`: see `BatchSession`; a joiner whose prefill fails raises here.
         """
         if not prompts:
             raise InvalidRequestError("the batch is empty")
@@ -564,7 +565,7 @@ class SpeculativeEngine:
         streamers = streamers if streamers is not None else [None] * count
         if len(limits) != count or len(params) != count or len(streamers) != count:
             raise InvalidRequestError("max_new_tokens, sampling and streamers lists must have one entry per prompt")
-        session = self.open_batch(arm)
+        session = self.open_batch(arm, prefill_chunk)
         try:
             session.add([BatchRequest(*request) for request in zip(prompts, limits, params, streamers)])
             while True:
@@ -573,17 +574,19 @@ class SpeculativeEngine:
                 for i, result in session.finished():
                     if on_done is not None:
                         on_done(i, result)
-                if not session.live_rows:
+                for _, exc in session.failed():
+                    raise exc
+                if not session.live_rows and not session.prefilling:
                     return session.close()
                 session.step()
         except BaseException:
             session.abort()
             raise
 
-    def open_batch(self, arm: Arm | str = OFF) -> BatchSession:
+    def open_batch(self, arm: Arm | str = OFF, prefill_chunk: int | None = None) -> BatchSession:
         """A batch run a round at a time (see `BatchSession`): for a server that keeps one batch
         going, adding requests as they come and changing the arm between rounds."""
-        return BatchSession(self, Arm.parse(arm) if isinstance(arm, str) else arm)
+        return BatchSession(self, Arm.parse(arm) if isinstance(arm, str) else arm, prefill_chunk)
 
     def _batch_row(self, request: BatchRequest, arm: Arm) -> Row:
         ids = self.encode(request.prompt)
@@ -633,14 +636,19 @@ class BatchSession:
     (vLLM's engine step): `add` requests, `step` one round, take the `finished` results,
     `switch` the arm, `close` for the batch's metrics. Each request's output is the one it gets
     alone, whatever rows it shared rounds with and whatever arms decoded it.
+
+    `prefill_chunk` (tokens; None: off): requests added while rows decode are prefilled at
+    most that many tokens per round, before the round (chunked prefill), so the rows decoding
+    wait for a chunk, not for a long prompt's whole prefill; they count in `prefilling` until
+    they join, and one whose prefill fails alone comes back from `failed`.
     """
 
-    def __init__(self, engine: SpeculativeEngine, arm: Arm) -> None:
+    def __init__(self, engine: SpeculativeEngine, arm: Arm, prefill_chunk: int | None = None) -> None:
         self.engine = engine
         self.arm = arm
         self.metrics = GenerationMetrics()  # the batch's: its rounds, drafter steps and times
         self.results: dict[int, GenerationResult] = {}
-        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync)
+        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync, prefill_chunk)
 
     def _drafter(self, arm: Arm) -> Drafter | None:
         return self.engine.check_batch_request(1, arm, 1)  # the model and the drafter can run batched
@@ -648,6 +656,11 @@ class BatchSession:
     @property
     def live_rows(self) -> int:
         return len(self._run.live)
+
+    @property
+    def prefilling(self) -> int:
+        """Requests added but still prefilling (chunked prefill): not decoding yet."""
+        return sum(len(join.indexes) for join in self._run.joins)
 
     @property
     def committed(self) -> int:
@@ -694,8 +707,14 @@ class BatchSession:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One round of every live row."""
+        """One round of every live row, after a chunk of the prefill of requests waiting to join."""
         self._run.step()
+
+    def failed(self) -> list[tuple[int, Exception]]:
+        """The requests whose chunked prefill failed (alone) since the last call, as (index,
+        exception); the batch went on without them."""
+        out, self._run.failed = self._run.failed, []
+        return out
 
     @torch.inference_mode()
     def switch(self, arm: Arm) -> None:
@@ -741,12 +760,13 @@ class BatchSession:
         return out
 
     def close(self) -> BatchResult:
-        """The results of every request (all done), in the order added, and the batch's metrics."""
+        """The results of every request served (all done; not those that `failed`), in the order
+        added, and the batch's metrics."""
         self.finished()
         batch = self.totals()  # sums per position over untrimmed lengths: rows were trimmed when done
         batch.prompt_tokens = sum(r.prompt_len for r in self._run.rows)
         batch.trim_positions()
-        return BatchResult([self.results[i] for i in range(len(self._run.rows))], batch)
+        return BatchResult([self.results[i] for i in range(len(self._run.rows)) if i in self.results], batch)
 
     def abort(self) -> None:
         """End every request's stream (the batch failed)."""

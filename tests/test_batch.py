@@ -29,6 +29,13 @@ def grouping(request, monkeypatch):
         monkeypatch.setattr("engine.batch.FORWARD_COST_TOKENS", 0)
 
 
+@pytest.fixture(params=[None, 5], ids=["prefilled at once", "chunked prefill"])
+def prefill_chunk(request):
+    """A batch's `prefill_chunk`: requests joining while rows decode are prefilled in one go, or
+    5 tokens a round (rows x columns; one column at least)."""
+    return request.param
+
+
 def test_batched_greedy_equals_target_generate_for_every_arm(engine, target, grouping):
     batch = prompts(12)  # lengths 4..36: rows are padded differently
     limits = [9 + 3 * i for i in range(12)]  # rows finish at different rounds and leave the batch
@@ -190,10 +197,11 @@ def test_scored_prompts_are_prefilled_in_chunks_within_the_logits_budget(engine,
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
-def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, grouping):
+def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, grouping, prefill_chunk):
     """Continuous batching: requests join between rounds (two at the 2nd round, one at the 5th,
     two more once every row before them is done) and decode as they do alone, greedy and
-    sampled; each result is handed over the moment its row is done."""
+    sampled, prefilled at once or a chunk a round; each result is handed over the moment its
+    row is done."""
     first, joiners = prompts(3, seed=11), prompts(5, seed=12)
     first_limits, joiner_limits = [4, 12, 30], [8, 20, 3, 15, 6]
     first_params = [SamplingParams(seed=0), SamplingParams(1.0, seed=1), SamplingParams(seed=2)]
@@ -208,7 +216,8 @@ def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, g
         return [waiting.pop(0) for _ in range(take)]
 
     out = engine.generate_batch(first, arm, first_limits, first_params, admit=admit,
-                                on_done=lambda i, result: done.append((i, list(result.tokens))))
+                                on_done=lambda i, result: done.append((i, list(result.tokens))),
+                                prefill_chunk=prefill_chunk)
     alone = [engine.generate(p, arm, n, s).tokens for p, n, s in
              zip(first + joiners, first_limits + joiner_limits, first_params + joiner_params)]
     assert [r.tokens for r in out] == alone
@@ -290,15 +299,16 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, gro
         assert out.metrics.new_tokens == 10 + 24 - len(head.tokens)
 
 
-def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target, grouping):
+def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target, grouping, prefill_chunk):
     """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, n-gram,
-    hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row)."""
+    hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row; a
+    chunked join spans switches and takes the drafter of the round it ends in)."""
     batch, limits = prompts(6, seed=21), [10 + 4 * i for i in range(6)]
-    session = engine.open_batch("off")
+    session = engine.open_batch("off", prefill_chunk)
     session.add([BatchRequest(p, n) for p, n in zip(batch[:4], limits[:4])])
     arms = ["small:3", "ngram:4", "hybrid:3", "self:2", "off", "small:2"]
     rounds, done = 0, []
-    while session.live_rows:
+    while session.live_rows or session.prefilling:
         if rounds == 4:
             session.add([BatchRequest(p, n) for p, n in zip(batch[4:], limits[4:])])
         if rounds % 3 == 2:
@@ -321,6 +331,86 @@ def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine,
     while session.live_rows:
         session.step()
     assert session.arm == Arm() and session.close()[0].tokens == hf_greedy(target, near_limit, 4)
+
+
+@pytest.mark.parametrize("arm", ["off", "small:3", "hybrid:3"])
+def test_a_long_prompt_joins_a_chunk_per_round_while_the_rows_decode(engine, arm, monkeypatch):
+    """Chunked prefill: a 70-token prompt added to two decoding rows with prefill_chunk=16 is fed
+    16 tokens a round (5 rounds) while both rows commit tokens every round, and joins in the
+    round of its last chunk; a 3-token prompt added behind it waits for a round with budget left
+    (the last, 6 + 3 tokens). Each gets what it gets alone: sampled draws, logprobs and prompt
+    logprobs."""
+    from engine.batch import BatchCache
+
+    fed, forward = [], BatchCache.forward
+
+    def counting(self, ids, *args, **kwargs):
+        if self.model is engine.target and self is not session._run.target_cache:
+            fed.append(ids.numel())
+        return forward(self, ids, *args, **kwargs)
+
+    decoding = [BatchRequest(p, 40, SamplingParams(seed=i)) for i, p in enumerate(prompts(2, seed=41))]
+    long = sum(prompts(9, seed=42), [])[:70]
+    joining = BatchRequest(long, 20, SamplingParams(1.0, top_p=0.9, seed=5, logprobs=2, prompt_logprobs=1))
+    session = engine.open_batch(arm, prefill_chunk=16)
+    session.add(decoding)
+    monkeypatch.setattr(BatchCache, "forward", counting)
+    session.add([joining])
+    assert fed == [] and (session.live_rows, session.prefilling) == (2, 1)
+    short = BatchRequest(prompts(1, seed=43)[0][:3], 12, SamplingParams(seed=3))
+    committed = []
+    while session.prefilling:
+        if len(committed) == 3:
+            session.add([short])
+        before = session.committed
+        session.step()
+        committed.append(session.committed - before)
+    assert fed == [16, 16, 16, 16, 6, 3] and session.live_rows == 4
+    assert len(committed) == 5 and min(committed) >= 2  # the decoding rows went on every round
+    while session.live_rows:
+        session.step()
+    out = session.close()
+    for result, request in zip(out, [*decoding, joining, short], strict=True):
+        alone = engine.generate(request.prompt, arm, request.max_new_tokens, request.sampling)
+        assert result.tokens == alone.tokens
+    alone = engine.generate(long, arm, 20, joining.sampling)
+    assert [list(e) for e in out[2].logprobs] == [list(e) for e in alone.logprobs]
+    assert [list(e) for e in out[2].prompt_logprobs[1:]] == [list(e) for e in alone.prompt_logprobs[1:]]
+    assert torch.allclose(torch.tensor([v for e in out[2].prompt_logprobs[1:] for v in e.values()]),
+                          torch.tensor([v for e in alone.prompt_logprobs[1:] for v in e.values()]), atol=1e-4)
+    assert out[2].metrics.prefill_s > 0 and out.metrics.prefill_s > out[2].metrics.prefill_s
+
+
+def test_a_chunked_join_that_fails_is_retried_alone_and_the_batch_goes_on(engine, target, monkeypatch):
+    """A chunked join of two requests whose prefill raises (memory, a model error) is tried again
+    a request at a time: the one that fails alone comes back from `failed`, the other joins, and
+    the row decoding all along is untouched; `generate_batch` raises a joiner's failure."""
+    from engine.batch import BatchCache
+
+    mark = 63  # a token only the failing prompt has, the longest: the mark is in its join's first chunk
+    first, good, bad = prompts(3, seed=61)
+    first, good, bad = [t % 60 for t in first], [t % 60 for t in good], [mark, *bad]
+    forward = BatchCache.forward
+
+    def failing(self, ids, *args, **kwargs):
+        if self.slots == 0 and self.model is target and (ids == mark).any():
+            raise RuntimeError("out of memory")
+        return forward(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(BatchCache, "forward", failing)
+    session = engine.open_batch("small:2", prefill_chunk=4)
+    session.add([BatchRequest(first, 30)])
+    assert session.add([BatchRequest(bad, 10), BatchRequest(good, 10)]) == [1, 2]
+    failed = []
+    while session.live_rows or session.prefilling:
+        session.step()
+        failed += session.failed()
+    assert [(i, str(exc)) for i, exc in failed] == [(1, "out of memory")]
+    out = session.close()
+    assert [r.tokens for r in out] == [hf_greedy(target, first, 30), hf_greedy(target, good, 10)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.generate_batch([first], "off", 30, admit=lambda live: [BatchRequest(bad, 5)] if live else [],
+                              prefill_chunk=4)
 
 
 def test_a_failing_batched_drafter_falls_back_to_off(engine, target, draft_model, monkeypatch):

@@ -259,14 +259,17 @@ def three_then_the_rest_while_failing(ctl: AutotuneController, worker, count: in
     ctl.close()
 
 
-@pytest.mark.parametrize("continuous", [True, False])
-def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, target, tmp_path, continuous):
-    """Continuous batching: short requests sent while a batch of long ones decodes join it and
-    return long before it ends, with their own output, and the policy learns every 32 rounds of
-    the batch; with continuous=False they wait for it, and it is learned from once."""
+@pytest.mark.parametrize(("continuous", "prefill_chunk"), [(True, None), (False, None), (True, 4)])
+def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, target, tmp_path, continuous,
+                                                                       prefill_chunk):
+    """Continuous batching: short requests sent while a batch of long ones decodes join it
+    (prefilled at once or 4 tokens a round) and return long before it ends, with their own
+    output, and the policy learns every 32 rounds of the batch; with continuous=False they wait
+    for it, and it is learned from once."""
     with Store(f"sqlite:///{tmp_path / 'j.db'}") as store:
         ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2)], max_batch=8,
-                                 batch_wait_ms=200, continuous=continuous, min_baseline_steps=4)
+                                 batch_wait_ms=200, continuous=continuous, min_baseline_steps=4,
+                                 prefill_chunk=prefill_chunk)
         decoding = threading.Event()
         finished, results = {}, {}
 
@@ -292,19 +295,23 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
         assert ctl._updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
 
 
-def test_requests_whose_prefill_fails_are_taken_apart_and_only_those_that_fail_alone_fail(engine, target):
+@pytest.mark.parametrize("prefill_chunk", [None, 8])  # 8 tokens: a chunk of up to 4 joiners is wider than a decode
+def test_requests_whose_prefill_fails_are_taken_apart_and_only_those_that_fail_alone_fail(engine, target,
+                                                                                         prefill_chunk):
     """A prefill of several requests that raises (memory, a model error), the batch's first or
-    joiners', is retried one request at a time: a request whose prefill fails alone too fails in
-    its own caller, and the others are served in the batch (before, every caller of the batch,
-    or of the joining group, got the error)."""
-    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=8, batch_wait_ms=200)
+    joiners' (also a chunked one, inside a round), is retried one request at a time: a request
+    whose prefill fails alone too fails in its own caller, and the others are served in the
+    batch (before, every caller of the batch, or of the joining group, got the error)."""
+    ctl = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=8, batch_wait_ms=200,
+                             prefill_chunk=prefill_chunk)
     decoding = threading.Event()
     results, errors = {}, {}
     failing = [PROMPTS[1], PROMPTS[3]]
 
     def fail_prefills(module, args):
-        ids = args[0]
-        if ids.shape[1] > 1 and (ids.shape[0] > 1 or ids[0].tolist() in failing):
+        ids = args[0].tolist()
+        chunk = ids[0][:prefill_chunk or None]  # a prompt's first chunk (only first chunks are fed alone)
+        if len(ids[0]) > 1 and (len(ids) > 1 or any(p[:len(chunk)] == chunk for p in failing)):
             raise RuntimeError("out of memory")
 
     def worker(i):
@@ -434,6 +441,8 @@ def test_policy_arms_the_engine_lacks_are_refused(engine):
         ctl.generate([1, 2, 3], request_class="x")
     with pytest.raises(PolicyError, match="unknown policy 'greedy'"):
         AutotuneController(engine, policy="greedy")
+    with pytest.raises(InvalidRequestError, match="prefill_chunk must be a positive number of tokens or None, not 0"):
+        AutotuneController(engine, max_batch=4, prefill_chunk=0)
 
 
 def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine):

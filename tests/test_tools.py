@@ -251,6 +251,21 @@ def test_bench_lengths_serves_mixed_lengths_alike_grouped_or_in_one_forward(smal
     assert result["arms"]["off"]["padded_over_real_tokens"] == 1.6  # 4 x 20 tokens padded over 20 + 5 + 20 + 5
 
 
+def test_bench_chunked_serves_long_joins_and_clients_alike_chunked_or_in_one_go(small_store, classes):
+    from autotune.bench import bench_chunked, bench_chunked_clients
+
+    engine, _ = small_store
+    result = bench_chunked(engine, classes, [Arm(), Arm("small", 3)], chunks=(None, 8), rows=3, joins=2,
+                           long_tokens=40, every=4, rounds=2)
+    assert result["identical_outputs"] is True and set(result["arms"]) == {"off", "small:3"}
+    for cases in result["arms"].values():
+        assert set(cases) == {"in one go", "8 tokens"} and cases["in one go"]["tokens_per_s_vs_in_one_go"] == 1.0
+        assert all(c["gap_ms"]["p50"] <= c["gap_ms"]["max"] and c["long_ttft_s"]["max"] > 0 for c in cases.values())
+    clients = bench_chunked_clients(engine, classes, chunks=(None, 8), clients=3, requests_per_client=2, rounds=1)
+    assert clients["identical_outputs"] is True and set(clients["cases"]) == {"in one go", "8 tokens"}
+    assert all(c["ttft_s"]["p50"] > 0 and c["tokens_per_s"] > 0 for c in clients["cases"].values())
+
+
 def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):
     from autotune.bench import bench_concurrency
 

@@ -5,20 +5,24 @@ both ways, taking turns.
 self-consistency sampling ask for them) with their prompt prefilled once and shared, against
 every choice prefilling it. `autotune bench lengths`: rows of mixed lengths (a burst of every
 class) prefilled in groups of similar length, against all in one forward padded to the longest.
+`autotune bench chunked`: long prompts joining a batch that decodes, and bursts of clients,
+prefilled a chunk a round against in one go.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from unittest import mock
 
 import engine.batch as engine_batch
-from autotune.bench.common import device_name, rotate
+from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
 from autotune.classes import RequestClass
-from engine import Arm, SamplingParams, SpeculativeEngine
+from autotune.controller import AutotuneController
+from engine import Arm, BatchRequest, SamplingParams, SpeculativeEngine
 
 
 def _every_choice():
@@ -117,3 +121,134 @@ def bench_lengths(engine: SpeculativeEngine, classes: dict[str, RequestClass], a
         out[str(arm)] = {"padded_over_real_tokens": round(padding, 2), **tally.summary(batches, "batch")}
     return {"device": device_name(engine), "classes": names, "batch": size, "batches": batches,
             "identical_outputs": identical, "arms": out}
+
+
+class _Stream:
+    """A streamer that keeps its request's output and when each put after the prompt came."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.puts = 0
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts > 1:  # the first put is the prompt
+            self.times.append(time.perf_counter())
+            self.tokens += value.reshape(-1).tolist()
+
+    def end(self) -> None:
+        pass
+
+
+def bench_chunked(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
+                  chunks: tuple[int | None, ...] = (None, 256, 512), rows: int = 8, joins: int = 6,
+                  long_tokens: int = 900, every: int = 24, rounds: int = 2) -> dict:
+    """`rows` requests of every class (their sampling, EOS ignored) decode in one batch session
+    while a `long_tokens`-token prompt (greedy, 16 new tokens) is added every `every` rounds,
+    `joins` of them; the session ends when the last has finished. Each case (arm x prefill_chunk,
+    None: in one go) serves the same requests, cases taking turns round by round. Reported: the
+    gaps between a decoding row's streamed rounds (a join in one go stalls them for its whole
+    prefill), the long prompts' time to first token from being added, and tokens/s over
+    everything committed; each arm's outputs must be identical (the decoding rows' as far as every
+    case got)."""
+    names = list(classes)
+    picked = [classes[names[j % len(names)]] for j in range(rows)]
+    prompts = [engine.encode(cls.prompts[j // len(names) % len(cls.prompts)]).tolist() for j, cls in enumerate(picked)]
+    sampling = [SamplingParams(cls.temperature, cls.top_p, seed=j, ignore_eos=True) for j, cls in enumerate(picked)]
+    longs = long_prompts(engine, classes[names[0]], long_tokens, joins)
+    limit = joins * every + 120  # rounds enough for the decoding rows to outlast the last join
+    cases = [(arm, chunk) for arm in arms for chunk in chunks]
+    stats = {case: {"gaps": [], "ttft": [], "seconds": 0.0, "tokens": 0} for case in cases}
+    outputs: dict = {case: [] for case in cases}
+    for r in range(-1, rounds):  # round -1 warms up each case (a first forward of a shape allocates)
+        for arm, chunk in rotate(cases, r):
+            s, decoding = stats[(arm, chunk)], [_Stream() for _ in prompts]
+            session = engine.open_batch(arm, chunk)
+            began = time.perf_counter()
+            session.add([BatchRequest(p, limit, sp, st) for p, sp, st in zip(prompts, sampling, decoding)])
+            added, done, step = {}, {}, 0
+            while len(done) < joins:
+                if step % every == 0 and len(added) < joins:
+                    stream = _Stream()
+                    added[session.add([BatchRequest(longs[len(added)], 16, streamer=stream)])[0]] = (
+                        stream, time.perf_counter())
+                session.step()
+                step += 1
+                done.update((i, result.tokens) for i, result in session.finished() if i in added)
+            if r < 0:
+                continue
+            s["seconds"] += time.perf_counter() - began
+            s["tokens"] += sum(len(st.tokens) for st in decoding) + sum(len(t) for t in done.values())
+            s["gaps"] += [b - a for st in decoding for a, b in zip(st.times, st.times[1:])]
+            s["ttft"] += [st.times[0] - at for st, at in added.values()]
+            outputs[(arm, chunk)].append(([done[i] for i in sorted(done)], [st.tokens for st in decoding]))
+    identical = True  # per arm (a sampled row draws other tokens on another arm)
+    for arm, r in itertools.product(arms, range(rounds)):
+        got = [outputs[(arm, chunk)][r] for chunk in chunks]
+        identical &= all(g[0] == got[0][0] for g in got)
+        for row in range(rows):
+            shortest = min(len(g[1][row]) for g in got)
+            identical &= all(g[1][row][:shortest] == got[0][1][row][:shortest] for g in got)
+    out = {}
+    for arm in arms:
+        per = {}
+        for chunk in chunks:
+            s = stats[(arm, chunk)]
+            ms = [1e3 * g for g in s["gaps"]]
+            per["in one go" if chunk is None else f"{chunk} tokens"] = {
+                "gap_ms": {"p50": round(sorted(ms)[len(ms) // 2], 1), "p99": round(p99(ms), 1),
+                           "max": round(max(ms), 1)},
+                "long_ttft_s": {"mean": round(sum(s["ttft"]) / len(s["ttft"]), 3), "max": round(max(s["ttft"]), 3)},
+                "tokens_per_s": round(s["tokens"] / s["seconds"], 1)}
+        base = per["in one go"]["tokens_per_s"] if None in chunks else None
+        for v in per.values():
+            if base:
+                v["tokens_per_s_vs_in_one_go"] = round(v["tokens_per_s"] / base, 3)
+        out[str(arm)] = per
+    return {"device": device_name(engine), "rows": rows, "joins": joins, "long_prompt_tokens": long_tokens,
+            "every_rounds": every, "rounds": rounds, "identical_outputs": identical, "arms": out}
+
+
+def bench_chunked_clients(engine: SpeculativeEngine, classes: dict[str, RequestClass],
+                          chunks: tuple[int | None, ...] = (None, 256, 512), clients: int = 16,
+                          requests_per_client: int = 4, rounds: int = 3) -> dict:
+    """Bursts of short prompts: `clients` threads (bench concurrency's plan), each sending its
+    requests one after another through a continuous-batching controller (policy off, so every
+    case serves the same tokens) with each prefill_chunk, cases taking turns round by round
+    after a warm-up round. Reported: tokens/s, time to first token from the call, and gaps
+    between a request's streamed rounds; outputs must be identical."""
+    plan = client_plan(engine, classes, clients, requests_per_client)
+    controllers = {chunk: AutotuneController(engine, policy="off", arms=[Arm()], max_batch=clients,
+                                             prefill_chunk=chunk) for chunk in chunks}
+    stats = {chunk: {"seconds": 0.0, "tokens": 0, "ttft": [], "gaps": []} for chunk in chunks}
+    outputs: dict = {chunk: {} for chunk in chunks}
+    for r in range(-1, rounds):  # round -1 warms up
+        for chunk in rotate(list(chunks), r):
+            ctl, s = controllers[chunk], stats[chunk]
+
+            def client(c: int, ctl=ctl, s=s, chunk=chunk, r=r) -> None:
+                cls, prompts = plan[c]
+                for j, prompt in enumerate(prompts):
+                    stream, began = _Stream(), time.perf_counter()
+                    result = ctl.generate(prompt, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p,
+                                          seed=c * requests_per_client + j, streamer=stream)
+                    outputs[chunk][(r, c, j)] = result.tokens
+                    if r >= 0:
+                        s["tokens"] += len(result.tokens)
+                        s["ttft"].append(stream.times[0] - began)
+                        s["gaps"] += [b - a for a, b in zip(stream.times, stream.times[1:])]
+
+            seconds = run_clients(client, clients)
+            if r >= 0:
+                s["seconds"] += seconds
+    out = {}
+    for chunk in chunks:
+        s = stats[chunk]
+        ttft, ms = sorted(s["ttft"]), sorted(1e3 * g for g in s["gaps"])
+        out["in one go" if chunk is None else f"{chunk} tokens"] = {
+            "tokens_per_s": round(s["tokens"] / s["seconds"], 1),
+            "ttft_s": {"p50": round(ttft[len(ttft) // 2], 3), "p99": p99(ttft)},
+            "gap_ms": {"p50": round(ms[len(ms) // 2], 1), "p99": round(p99(ms), 1), "max": round(ms[-1], 1)}}
+    return {"clients": clients, "requests_per_client": requests_per_client, "rounds": rounds,
+            "identical_outputs": all(outputs[chunk] == outputs[chunks[0]] for chunk in chunks), "cases": out}
