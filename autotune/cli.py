@@ -202,6 +202,13 @@ def cmd_bench(args) -> None:
                  for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
         result = bench.bench_cache(engine, _classes(args), cases)
         print(json.dumps(result, indent=2))
+    elif args.what == "longrun":
+        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
+        result = bench.bench_long_batch(engine, _classes(args), arms, 4 if args.quick else args.batch_size,
+                                        24 if args.quick else args.requests * 2, 1 if args.quick else 2)
+        print(json.dumps(result, indent=2))
+        if not result["identical_outputs"]:
+            raise CheckFailed("outputs differ between a batch that drops its holes and one that keeps them")
     elif args.what == "choices":
         cls = _classes(args)["creative" if not args.classes else args.classes.split(",")[0]]
         arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
@@ -351,9 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
-                                            " store, limits, cache, choices, lengths, chunked, concurrency, serve"))
+                                            " store, limits, cache, longrun, choices, lengths, chunked, concurrency,"
+                                            " serve"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
-                                    "limits", "cache", "choices", "lengths", "chunked", "concurrency", "serve"])
+                                    "limits", "cache", "longrun", "choices", "lengths", "chunked", "concurrency",
+                                    "serve"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -364,7 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
-    p.add_argument("--requests", type=int, default=160, help="bench controller: stream length")
+    p.add_argument("--requests", type=int, default=160,
+                   help="bench controller: stream length; longrun: half the requests served")
     p.add_argument("--batch", type=int, default=1,
                    help="bench arms: serve each class's first N prompts together as one batch (load N)")
     p.add_argument("--arms-json", action="append",
@@ -377,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--n", type=int, default=8, help="bench choices: choices per request")
-    p.add_argument("--batch-size", type=int, default=16, help="bench lengths: requests per batch")
+    p.add_argument("--batch-size", type=int, default=16, help="bench lengths, longrun: requests per batch")
     p.add_argument("--prefill-chunk", type=int, nargs="+", default=[512, 2048], metavar="TOKENS",
                    help="bench chunked: chunk sizes compared with prefilling in one go")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")

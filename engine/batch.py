@@ -9,7 +9,9 @@ which is what the controller learns per load bucket.
 Rows accept different numbers of drafts, so their caches would fall out of step. Instead of
 cropping each row, every forward appends the same number of slots for all rows and rejected
 slots stay in the cache as holes that a per-row mask hides from every later query (each slot
-still sees itself, so no query row is fully masked). Positions are per row, so a row decodes
+still sees itself, so no query row is fully masked); once holes are most of the slots, a
+round first moves each row's kept slots together and drops the rest (`BatchCache.compact`),
+so a batch that never drains does not grow with every round. Positions are per row, so a row decodes
 exactly as it would alone: greedy output equals the target's own greedy output, and a
 sampled row draws from its own generator in the same order as `SpeculativeEngine.generate`.
 Finished rows leave the batch, and new requests can join it between rounds (`BatchRun.admit`:
@@ -127,6 +129,27 @@ class BatchCache:
         out.position = torch.arange(length, device=model.device)[None]
         return out
 
+    def compact_if_sparse(self) -> None:
+        """Drop the holes once the slots exceed twice the most any row keeps (plus COMPACT_SLACK):
+        every forward appends slots for all rows and holes are never reused, so a batch that
+        runs for long (a busy server's never drains) would otherwise attend over, and keep in
+        memory, slots for every round it ever ran (1230 slots after 1200 rounds, its longest row
+        51 tokens)."""
+        kept = self.keep.sum(1)
+        width = int(kept.max())
+        if self.slots > 2 * width + COMPACT_SLACK:
+            self.compact(kept, width)
+
+    def compact(self, kept: torch.Tensor, width: int) -> None:
+        """Move each row's kept slots (`kept` of them) to its first, in order, and keep `width`
+        slots; a row's slots past its own are holes. Keys keep their positions (rotated in
+        already) and masks come from each slot's position, so attention sees what it saw."""
+        index = torch.sort((~self.keep).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        for layer in self.cache.layers:
+            layer.keep_slots(index)
+        self.keep = torch.arange(width, device=self.keep.device)[None] < kept[:, None]
+        self.position = self.position.gather(1, index)
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch); a row may be repeated."""
         index = torch.tensor(rows, device=self.keep.device)
@@ -159,6 +182,7 @@ def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:
     return _SPANS[model]
 
 
+COMPACT_SLACK = 64  # slots a batch cache may hold beyond twice its longest row's before it drops its holes
 PROMPT_LOGITS_BUDGET = 1 << 26  # logits (rows x positions x vocabulary) a prefill that scores prompts holds at once
 # What one more prefill forward costs beyond its tokens, in tokens of prefill: a forward's fixed
 # cost (8 layers x ~1.2 ms of the family's target on the CPU) is about what 128-256 tokens of it
@@ -466,6 +490,8 @@ class BatchRun:
         """Add `rows` to the batch: prefilled now, or, with `prefill_chunk` while rows decode,
         within each round's budget from the next round on (a waiting join nothing has been fed
         for yet takes them in). Their indexes are the next ones either way."""
+        if not rows:
+            return
         joined_at = self.elapsed()
         for r in rows:
             r.joined_s = joined_at
@@ -593,6 +619,9 @@ class BatchRun:
         self._advance_joins()
         if not self.live:
             return
+        self.target_cache.compact_if_sparse()
+        if self.batch_drafter is not None:
+            self.batch_drafter.cache.compact_if_sparse()
         now = self.clock()
         active = [self.rows[i] for i in self.live]
         ks = [max(0, min(self.k, r.remaining - 1)) if self.drafter is not None else 0 for r in active]

@@ -112,6 +112,14 @@ class GrowingLayer(DynamicLayer):
         self.rows = len(indices)
         self._set_length(self.length)
 
+    def keep_slots(self, index: torch.Tensor) -> None:
+        """Row b keeps its slots `index[b]` [B, width], in that order, as its first `width`
+        (a batch dropping its holes, batch.BatchCache.compact)."""
+        for buffer, filled in ((self._keys, self.keys), (self._values, self.values)):
+            gather = index[:, None, :, None].expand(-1, filled.shape[1], -1, filled.shape[-1])
+            buffer[:self.rows, ..., :index.shape[1], :] = filled.gather(2, gather)
+        self._set_length(index.shape[1])
+
     def append_rows(self, other: GrowingLayer) -> None:
         """Put `other`'s rows after these (requests joining a batch), in rows that left the buffers
         if there are enough, the shorter side's positions padded with zeros up to the longer

@@ -112,7 +112,12 @@ def test_one_request_at_a_time_is_lossless(models, static_cache):
         assert not any(r.fell_back for r in results), arm  # speculation served them, not the fallback
 
 
-def test_a_batch_and_a_request_joining_it_are_lossless(models):
+@pytest.mark.parametrize("compacted", [False, True], ids=["as it runs", "compacted every round"])
+def test_a_batch_and_a_request_joining_it_are_lossless(models, compacted, monkeypatch):
+    """Also with both caches dropping their holes before every round (BatchCache.compact):
+    windows, chunks and sinks are masked from each slot's position, wherever it moved to."""
+    if compacted:
+        monkeypatch.setattr("engine.batch.COMPACT_SLACK", -(1 << 30))
     target, drafter, expected = models
     engine = SpeculativeEngine(target, {"small": drafter, "ngram": NGramDrafter()})
     for arm in ("off", "small:3", "ngram:4"):

@@ -21,12 +21,15 @@ def engine(target, draft_model):
                                       "wrong": AlwaysWrongDrafter(target), "hybrid": HybridDrafter(draft_model)})
 
 
-@pytest.fixture(params=["grouped", "a forward per length"])
-def grouping(request, monkeypatch):
+@pytest.fixture(params=["grouped", "a forward per length", "compacted every round"])
+def cache_layout(request, monkeypatch):
     """Rows prefilled as the engine groups them, or each distinct length in a forward of its own
-    (the most groups: every join and drafter prefill appends and reorders cache rows)."""
-    if request.param != "grouped":
+    (the most groups: every join and drafter prefill appends and reorders cache rows), or with
+    both caches dropping their holes before every round (BatchCache.compact)."""
+    if request.param == "a forward per length":
         monkeypatch.setattr("engine.batch.FORWARD_COST_TOKENS", 0)
+    elif request.param == "compacted every round":
+        monkeypatch.setattr("engine.batch.COMPACT_SLACK", -(1 << 30))
 
 
 @pytest.fixture(params=[None, 5], ids=["prefilled at once", "chunked prefill"])
@@ -36,7 +39,7 @@ def prefill_chunk(request):
     return request.param
 
 
-def test_batched_greedy_equals_target_generate_for_every_arm(engine, target, grouping):
+def test_batched_greedy_equals_target_generate_for_every_arm(engine, target, cache_layout):
     batch = prompts(12)  # lengths 4..36: rows are padded differently
     limits = [9 + 3 * i for i in range(12)]  # rows finish at different rounds and leave the batch
     reference = [hf_greedy(target, p, n) for p, n in zip(batch, limits)]
@@ -197,7 +200,7 @@ def test_scored_prompts_are_prefilled_in_chunks_within_the_logits_budget(engine,
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
-def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, grouping, prefill_chunk):
+def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, cache_layout, prefill_chunk):
     """Continuous batching: requests join between rounds (two at the 2nd round, one at the 5th,
     two more once every row before them is done) and decode as they do alone, greedy and
     sampled, prefilled at once or a chunk a round; each result is handed over the moment its
@@ -243,7 +246,7 @@ class Recorder:
 
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
-def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, grouping, monkeypatch):
+def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, cache_layout, monkeypatch):
     """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
     its random stream goes on), the stream (the prompt once, every token once, ended once) and
@@ -299,7 +302,7 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, gro
         assert out.metrics.new_tokens == 10 + 24 - len(head.tokens)
 
 
-def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target, grouping, prefill_chunk):
+def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target, cache_layout, prefill_chunk):
     """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, n-gram,
     hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row; a
     chunked join spans switches and takes the drafter of the round it ends in)."""
@@ -411,6 +414,31 @@ def test_a_chunked_join_that_fails_is_retried_alone_and_the_batch_goes_on(engine
     with pytest.raises(RuntimeError, match="out of memory"):
         engine.generate_batch([first], "off", 30, admit=lambda live: [BatchRequest(bad, 5)] if live else [],
                               prefill_chunk=4)
+
+
+@pytest.mark.parametrize("arm", ["off", "small:3", "hybrid:3"])
+def test_a_batch_that_runs_for_long_drops_its_holes_and_stays_lossless(engine, arm, monkeypatch):
+    """A session kept going as a busy server keeps it (a request joins whenever one finishes,
+    200 requests): its caches' slots stay within twice the longest row (plus COMPACT_SLACK),
+    where they used to grow with every round, and each request gets what it gets alone."""
+    monkeypatch.setattr("engine.batch.COMPACT_SLACK", 8)
+    pool = [BatchRequest(p, 6 + 5 * i % 23, SamplingParams(1.0 if i % 2 else 0.0, seed=i))
+            for i, p in enumerate(prompts(24, seed=71))]
+    session = engine.open_batch(arm)
+    added = session.add(pool[:6])
+    rounds, widest, longest = 0, 0, 0
+    while session.live_rows:
+        if done := session.finished():
+            added += session.add([pool[(len(added) + j) % 24] for j in range(min(len(done), 200 - len(added)))])
+        session.step()
+        rounds += 1
+        caches = [session._run.target_cache] + ([session._run.batch_drafter.cache] if arm != "off" else [])
+        widest = max(widest, *(cache.slots for cache in caches))
+        longest = max(longest, *(len(session._run.rows[i].tokens) for i in session.live), 0)
+    out = session.close()
+    assert len(out) == 200 and widest <= 2 * longest + 8 + 4 < rounds  # uncompacted, slots >= rounds
+    alone = [engine.generate(r.prompt, arm, r.max_new_tokens, r.sampling).tokens for r in pool]
+    assert [r.tokens for r in out] == [alone[i % 24] for i in range(200)]
 
 
 def test_a_failing_batched_drafter_falls_back_to_off(engine, target, draft_model, monkeypatch):

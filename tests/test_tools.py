@@ -1,5 +1,6 @@
 """Tuning, the CLI and the notebooks, on a small store made from tiny models."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -264,6 +265,18 @@ def test_bench_chunked_serves_long_joins_and_clients_alike_chunked_or_in_one_go(
     clients = bench_chunked_clients(engine, classes, chunks=(None, 8), clients=3, requests_per_client=2, rounds=1)
     assert clients["identical_outputs"] is True and set(clients["cases"]) == {"in one go", "8 tokens"}
     assert all(c["ttft_s"]["p50"] > 0 and c["tokens_per_s"] > 0 for c in clients["cases"].values())
+
+
+def test_bench_long_batch_serves_alike_with_holes_dropped_or_kept(small_store, classes):
+    from autotune.bench import bench_long_batch
+
+    engine, _ = small_store
+    staggered = {"rep": classes["rep"], "mixed": dataclasses.replace(classes["mixed"], max_new_tokens=17)}
+    result = bench_long_batch(engine, staggered, [Arm(), Arm("small", 3)], rows=3, requests=30, rounds=1)
+    assert result["identical_outputs"] is True and set(result["arms"]) == {"off", "small:3"}
+    for arm in result["arms"].values():
+        assert arm["rounds"]["compacted"] == arm["rounds"]["holes kept"] > 30
+        assert arm["most_slots"]["compacted"] < arm["most_slots"]["holes kept"]
 
 
 def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):

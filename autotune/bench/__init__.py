@@ -7,7 +7,7 @@ run with its command).
 """
 
 from autotune.bench.arms import BENCH_KS, bench_arms
-from autotune.bench.cache import bench_cache
+from autotune.bench.cache import bench_cache, bench_long_batch
 from autotune.bench.common import device_name
 from autotune.bench.concurrency import bench_concurrency
 from autotune.bench.controller import bench_controller, hindsight_arms
@@ -22,5 +22,5 @@ from autotune.bench.store_speed import bench_store
 
 __all__ = ["BENCH_KS", "bench_arms", "bench_cache", "bench_choices", "bench_chunked", "bench_chunked_clients",
            "bench_concurrency", "bench_controller", "bench_decisions", "bench_engine", "bench_lengths", "bench_limits",
-           "bench_lossless", "bench_replay", "bench_serve", "bench_store", "device_name", "hindsight_arms",
-           "llama_shaped_engine"]
+           "bench_long_batch", "bench_lossless", "bench_replay", "bench_serve", "bench_store", "device_name",
+           "hindsight_arms", "llama_shaped_engine"]
