@@ -205,7 +205,7 @@ def cmd_bench(args) -> None:
     elif args.what == "longrun":
         arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
         result = bench.bench_long_batch(engine, _classes(args), arms, 4 if args.quick else args.batch_size,
-                                        24 if args.quick else args.requests * 2, 1 if args.quick else 2)
+                                        24 if args.quick else args.requests or 320, 1 if args.quick else 2)
         print(json.dumps(result, indent=2))
         if not result["identical_outputs"]:
             raise CheckFailed("outputs differ between a batch that drops its holes and one that keeps them")
@@ -269,7 +269,7 @@ def cmd_bench(args) -> None:
                 truth[size] = bench.bench_arms(engine, classes, arms, 2 if args.quick else args.prompts, batch=size)
         names = list(classes)
         weights = {n: 1.0 for n in names}
-        n = 40 if args.quick else args.requests
+        n = 40 if args.quick else args.requests or 160
         load = {"burst_share": args.burst_share, "burst_size": args.burst_size}
         flipped = {n_: (3.0 if i >= len(names) // 2 else 0.3) for i, n_ in enumerate(names)}
         unflipped = {n_: (0.3 if i >= len(names) // 2 else 3.0) for i, n_ in enumerate(names)}
@@ -373,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
-    p.add_argument("--requests", type=int, default=160,
-                   help="bench controller: stream length; longrun: half the requests served")
+    p.add_argument("--requests", type=int,
+                   help="bench controller: stream length (default 160); longrun: requests served (default 320)")
     p.add_argument("--batch", type=int, default=1,
                    help="bench arms: serve each class's first N prompts together as one batch (load N)")
     p.add_argument("--arms-json", action="append",
