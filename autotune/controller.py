@@ -326,9 +326,13 @@ class AutotuneController:
                 raise
             failure = exc
         outcomes = []
-        for one, cls, was_classified, limit, sp, streamer, since in batch.items:
-            if batch.answered(len(outcomes)) or getattr(streamer, "started", False):
-                outcomes.append(failure)  # one delivered keeps its answer; one streamed gets the error
+        for index, item in enumerate(batch.items):
+            if batch.answered(index):  # one delivered keeps its answer (its caller may have let go of the item)
+                outcomes.append(failure)
+                continue
+            one, cls, was_classified, limit, sp, streamer, since = item
+            if getattr(streamer, "started", False):
+                outcomes.append(failure)  # one streamed gets the error
                 continue
             try:
                 outcomes.append(self._serve([one], [cls], [limit], [sp], [streamer], [since], [was_classified])[0])
@@ -409,27 +413,28 @@ class AutotuneController:
         not replayed. `resumed`: the batch's one request was paused for requests that arrived
         (its rest, and when the engine began on it); the arm is decided for all of them, and
         they join at once."""
-        requests: list[tuple] = []  # per session row: (class, classified, features, sampling, arrived, began)
-        tickets: list[int] = []  # per session row: its item's index in `batch`
-        outcomes: dict[int, ControlledResult | Exception] = {}  # per item of `batch`
+        # Per session row until it is served (the session may never drain, so nothing is kept
+        # past that): (class, classified, features, sampling, arrived, began), and its item's
+        # index in `batch`. Every item's outcome is delivered as it comes (`batch.deliver`).
+        requests: dict[int, tuple] = {}
+        tickets: dict[int, int] = {}
         with self._engine_lock, self.gpu.measure() as gpu:
 
             def take(start: int, items: list, rest: BatchRequest | None = None, began: float | None = None) -> None:
                 """Prefill `items`, the batch's items from `start` on, into the session."""
                 began = began if began is not None else time.perf_counter()
-                session.add([rest] if rest is not None else
-                            [BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
-                for one, cls, was_classified, limit, sp, _, since in items:
-                    requests.append((cls, was_classified, request_features(one, limit, sp),
-                                     sp, since, began))
-                tickets.extend(range(start, start + len(items)))
+                added = session.add([rest] if rest is not None else [
+                    BatchRequest(one, limit, sp, streamer) for one, _, _, limit, sp, streamer, _ in items])
+                for t, (i, (one, cls, was_classified, limit, sp, _, since)) in enumerate(zip(added, items, strict=True),
+                                                                                         start):
+                    requests[i] = (cls, was_classified, request_features(one, limit, sp), sp, since, began)
+                    tickets[i] = t
 
             def take_apart(start: int, items: list, exc: Exception) -> None:
                 """`take(start, items)` raised `exc` (memory, a model error): each of several is
                 taken alone, and one that fails alone gets its error in its own caller while the
                 batch goes on."""
                 if len(items) == 1:
-                    outcomes[start] = exc
                     batch.deliver(start, exc)
                     return
                 for t, item in enumerate(items, start):
@@ -446,7 +451,7 @@ class AutotuneController:
             context, arm = self._decide(Context(self._key(classes), len(classes), features))
             if resumed is not None and not self._fits(arm, first[0]):
                 arm = OFF  # the paused request goes on in this batch, and OFF takes any request
-            session = self.engine.open_batch(arm, self.prefill_chunk)
+            session = self.engine.open_batch(arm, self.prefill_chunk, keep_results=False)
             try:
                 take(0, first, *resumed or ())
             except InvalidRequestError:  # refused before any decoding: see _serve_coalesced
@@ -463,21 +468,21 @@ class AutotuneController:
                     except Exception as exc:
                         take_apart(start, joining, exc)
                 for i, result in session.finished():
-                    cls, labelled, feats, sp, since, began = requests[i]
+                    cls, labelled, feats, sp, since, began = requests.pop(i)
                     with self._policy_lock:
                         off_s, taken_s = self._row_times(segment["context"].key, result.metrics,
                                                          self.costs.get(load_bucket(segment["context"].load)))
-                    served = outcomes[tickets[i]] = ControlledResult(
+                    served = ControlledResult(
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
                         off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
                         *gpu.so_far(), result.fell_back, result.stream_error, began - since, result.logprobs,
                         result.prompt_logprobs, result.finish_reason)
                     if self.store is not None:
                         self._record(served, labelled, feats, sp)
-                    batch.deliver(tickets[i], served)
+                    batch.deliver(tickets.pop(i), served)
                 for i, exc in session.failed():  # its prefill failed alone (chunked): the batch goes on
-                    outcomes[tickets[i]] = exc
-                    batch.deliver(tickets[i], exc)
+                    requests.pop(i)
+                    batch.deliver(tickets.pop(i), exc)
                 if not session.live_rows and not session.prefilling:
                     break
                 if session.live_rows and session.metrics.rounds - segment["totals"].rounds >= self.decide_every:
@@ -494,7 +499,8 @@ class AutotuneController:
                 session.step()
             self._learn_segment(segment, session)
             session.close()
-        return [outcomes[t] for t in range(len(batch.items))]
+        # Every outcome was delivered as it came; the coalescer settles only items that were not.
+        return [RuntimeError("the batch ended without serving this request")] * len(batch.items)
 
     def _decide(self, context: Context) -> tuple[Context, Arm]:
         with self._policy_lock:
@@ -688,11 +694,13 @@ class AutotuneController:
                 self._save_locked()
 
     def close(self) -> None:
-        """Let requests in flight from `agenerate` finish, then save what was learned and flush
-        every observation to the store."""
+        """Let requests in flight from `agenerate` finish, and the batch being served learn from
+        its last rounds, then save what was learned and flush every observation to the store."""
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None
+        if self._coalescer is not None:
+            self._coalescer.idle()
         if self.store is not None:
             self.save()
             self.store.flush()

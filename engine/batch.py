@@ -444,8 +444,9 @@ class BatchRun:
             raise InvalidRequestError(f"prefill_chunk must be a positive number of tokens, not {prefill_chunk}")
         self.target, self.batch, self.clock = target, batch, clock
         self.prefill_chunk = prefill_chunk
-        self.rows: list[Row] = []
-        self.metrics: list = []  # one GenerationMetrics per row
+        self.rows: dict[int, Row] = {}  # by index, in the order added (BatchSession may forget finished ones)
+        self.metrics: dict = {}  # one GenerationMetrics per row
+        self.added = 0  # rows added so far: the next one's index
         self.live: list[int] = []  # indexes into rows/metrics, in the caches' row order
         self.joins: list[_Join] = []  # admitted, prefilling a chunk per round (oldest first)
         self.finished: list[int] = []  # rows done since the caller last took them
@@ -500,22 +501,25 @@ class BatchRun:
             done = finish(self._prefill(rows, None))
             spent = self.clock() - began
             self.batch.prefill_s += spent
-            first = len(self.rows)
-            self.rows += rows
-            self.metrics += metrics
-            self._join(list(range(first, len(self.rows))), done, spent)
+            self._join(self._register(rows, metrics), done, spent)
             return
         waiting = self.joins[-1] if self.joins and not self.joins[-1].forwards else None
-        indexes = (waiting.indexes if waiting else []) + list(range(len(self.rows), len(self.rows) + len(rows)))
         steps = self._prefill([*(self.rows[i] for i in waiting.indexes), *rows] if waiting else rows,
                               self.prefill_chunk)
         size = next(steps)  # set up, to just before its first forward (a fresh row has one)
-        self.rows += rows
-        self.metrics += metrics
+        indexes = (waiting.indexes if waiting else []) + self._register(rows, metrics)
         if waiting:
             waiting.indexes, waiting.steps, waiting.size = indexes, steps, size
         else:
             self.joins.append(_Join(indexes, steps, size))
+
+    def _register(self, rows: list[Row], metrics: list) -> list[int]:
+        """Give `rows` the next indexes; those indexes."""
+        indexes = list(range(self.added, self.added + len(rows)))
+        self.rows.update(zip(indexes, rows))
+        self.metrics.update(zip(indexes, metrics))
+        self.added += len(rows)
+        return indexes
 
     def _prefill(self, rows: list[Row], chunk_tokens: int | None) -> Generator[int, None, tuple]:
         """The target's prefill of rows joining. A paused request's last token is the one its

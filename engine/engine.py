@@ -583,10 +583,11 @@ class SpeculativeEngine:
             session.abort()
             raise
 
-    def open_batch(self, arm: Arm | str = OFF, prefill_chunk: int | None = None) -> BatchSession:
+    def open_batch(self, arm: Arm | str = OFF, prefill_chunk: int | None = None,
+                   keep_results: bool = True) -> BatchSession:
         """A batch run a round at a time (see `BatchSession`): for a server that keeps one batch
         going, adding requests as they come and changing the arm between rounds."""
-        return BatchSession(self, Arm.parse(arm) if isinstance(arm, str) else arm, prefill_chunk)
+        return BatchSession(self, Arm.parse(arm) if isinstance(arm, str) else arm, prefill_chunk, keep_results)
 
     def _batch_row(self, request: BatchRequest, arm: Arm) -> Row:
         ids = self.encode(request.prompt)
@@ -641,13 +642,23 @@ class BatchSession:
     most that many tokens per round, before the round (chunked prefill), so the rows decoding
     wait for a chunk, not for a long prompt's whole prefill; they count in `prefilling` until
     they join, and one whose prefill fails alone comes back from `failed`.
+
+    `keep_results=False` (a server's session, which may never drain): a request is forgotten
+    once `finished` or `failed` has handed it over, its counts kept in the batch's totals, so
+    the session holds only the requests still in it (one that kept them all grew by every
+    request it ever served: 3.5 KB each for short outputs on the tiny test models, more with
+    text and logprobs); `close` then returns only the batch's metrics.
     """
 
-    def __init__(self, engine: SpeculativeEngine, arm: Arm, prefill_chunk: int | None = None) -> None:
+    def __init__(self, engine: SpeculativeEngine, arm: Arm, prefill_chunk: int | None = None,
+                 keep_results: bool = True) -> None:
         self.engine = engine
         self.arm = arm
         self.metrics = GenerationMetrics()  # the batch's: its rounds, drafter steps and times
         self.results: dict[int, GenerationResult] = {}
+        self.keep_results = keep_results
+        # the counts of the requests forgotten (keep_results=False)
+        self._retired = GenerationMetrics(drafted_per_position=[0] * MAX_K, accepted_per_position=[0] * MAX_K)
         self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync, prefill_chunk)
 
     def _drafter(self, arm: Arm) -> Drafter | None:
@@ -686,8 +697,8 @@ class BatchSession:
         """The batch's counters so far, for `GenerationMetrics.minus` between two moments: rounds,
         drafter steps, times, and drafts kept (by position) over every request."""
         out = copy.deepcopy(self.metrics)
-        out.new_tokens = sum(len(r.tokens) - r.prompt_len for r in self._run.rows)
-        metrics = self._run.metrics
+        out.new_tokens = self._retired.new_tokens + sum(len(r.tokens) - r.prompt_len for r in self._run.rows.values())
+        metrics = [*self._run.metrics.values(), self._retired]
         out.drafted = sum(m.drafted for m in metrics)
         out.accepted = sum(m.accepted for m in metrics)
         out.drafted_per_position = [sum(m.drafted_per_position[j] for m in metrics if j < len(m.drafted_per_position))
@@ -701,7 +712,7 @@ class BatchSession:
     def add(self, requests: list[BatchRequest]) -> list[int]:
         """Prefill `requests` (all checked first) into the batch; their indexes (in the order added)."""
         rows = [self.engine._batch_row(request, self.arm) for request in requests]
-        first = len(self._run.rows)
+        first = self._run.added
         self._run.admit(rows, [self.engine._row_metrics(r) for r in rows])
         return list(range(first, first + len(rows)))
 
@@ -714,7 +725,21 @@ class BatchSession:
         """The requests whose chunked prefill failed (alone) since the last call, as (index,
         exception); the batch went on without them."""
         out, self._run.failed = self._run.failed, []
+        if not self.keep_results:
+            for i, _ in out:
+                self._forget(i)
         return out
+
+    def _forget(self, i: int) -> None:
+        """Drop request i from the session (keep_results=False), its counts kept in the totals."""
+        row, m, retired = self._run.rows.pop(i), self._run.metrics.pop(i), self._retired
+        retired.new_tokens += len(row.tokens) - row.prompt_len
+        retired.prompt_tokens += row.prompt_len
+        retired.drafted += m.drafted
+        retired.accepted += m.accepted
+        for j, (drafted, accepted) in enumerate(zip(m.drafted_per_position, m.accepted_per_position)):
+            retired.drafted_per_position[j] += drafted
+            retired.accepted_per_position[j] += accepted
 
     @torch.inference_mode()
     def switch(self, arm: Arm) -> None:
@@ -754,21 +779,24 @@ class BatchSession:
             ended = end_stream(row.streamer)  # also a streamer that raised: its client hears the end
             result.stream_error = row.stream_error or ended
             result.finish_reason = finish_reason(row.stopped, result.stream_error)
-            self.results[i] = result
+            if self.keep_results:
+                self.results[i] = result
+            else:
+                self._forget(i)
             out.append((i, result))
         self._run.finished = []
         return out
 
     def close(self) -> BatchResult:
-        """The results of every request served (all done; not those that `failed`), in the order
-        added, and the batch's metrics."""
+        """The results of every request served (all done; not those that `failed`; none with
+        keep_results=False), in the order added, and the batch's metrics."""
         self.finished()
         batch = self.totals()  # sums per position over untrimmed lengths: rows were trimmed when done
-        batch.prompt_tokens = sum(r.prompt_len for r in self._run.rows)
+        batch.prompt_tokens = self._retired.prompt_tokens + sum(r.prompt_len for r in self._run.rows.values())
         batch.trim_positions()
-        return BatchResult([self.results[i] for i in range(len(self._run.rows)) if i in self.results], batch)
+        return BatchResult([self.results[i] for i in sorted(self.results)], batch)
 
     def abort(self) -> None:
         """End every request's stream (the batch failed)."""
-        for row in self._run.rows:
+        for row in self._run.rows.values():
             end_stream(row.streamer)

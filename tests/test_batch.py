@@ -441,6 +441,37 @@ def test_a_batch_that_runs_for_long_drops_its_holes_and_stays_lossless(engine, a
     assert [r.tokens for r in out] == [alone[i % 24] for i in range(200)]
 
 
+@pytest.mark.parametrize("arm", ["off", "hybrid:3"])
+def test_a_session_that_keeps_no_results_holds_only_its_live_requests(engine, arm):
+    """keep_results=False (a server's session, which may never drain): each request is dropped
+    once `finished` hands it over, so the session holds only those still in it, and its results
+    and the batch's totals are those of a session that keeps everything."""
+    pool = [BatchRequest(p, 4 + 3 * i % 11, SamplingParams(1.0 if i % 2 else 0.0, seed=i))
+            for i, p in enumerate(prompts(30, seed=81))]
+    served, totals = {}, {}
+    for keep in (True, False):
+        session = engine.open_batch(arm, keep_results=keep)
+        session.add(pool[:4])
+        added, held, results = 4, 0, {}
+        while session.live_rows:
+            for i, result in session.finished():
+                results[i] = result.tokens
+                if added < len(pool):
+                    session.add([pool[added]])
+                    added += 1
+            held = max(held, len(session._run.rows))
+            session.step()
+        results.update((i, result.tokens) for i, result in session.finished())
+        out = session.close()
+        served[keep], totals[keep] = results, out.metrics
+        assert held == (len(session._run.rows) if keep else 4)  # kept: every request; else the 4 decoding
+        assert len(out) == len(session._run.rows) == (len(pool) if keep else 0)
+    assert served[True] == served[False] and len(served[False]) == len(pool)
+    for field in ("new_tokens", "prompt_tokens", "drafted", "accepted", "drafted_per_position",
+                  "accepted_per_position", "rounds"):
+        assert getattr(totals[False], field) == getattr(totals[True], field), field
+
+
 def test_a_failing_batched_drafter_falls_back_to_off(engine, target, draft_model, monkeypatch):
     calls = {"n": 0}
     forward = draft_model.forward
