@@ -411,7 +411,7 @@ class BatchDrafter:
 
 @dataclass
 class _Join:
-    """Requests admitted while rows decode, their target prefill run a chunk per round."""
+    """Requests admitted while rows decode, their target prefill run within each round's budget."""
 
     indexes: list[int]  # into the run's rows
     steps: Generator[int, None, tuple]  # prefill_steps, stopped before its next forward
