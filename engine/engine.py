@@ -732,14 +732,8 @@ class BatchSession:
 
     def _forget(self, i: int) -> None:
         """Drop request i from the session (keep_results=False), its counts kept in the totals."""
-        row, m, retired = self._run.rows.pop(i), self._run.metrics.pop(i), self._retired
-        retired.new_tokens += len(row.tokens) - row.prompt_len
-        retired.prompt_tokens += row.prompt_len
-        retired.drafted += m.drafted
-        retired.accepted += m.accepted
-        for j, (drafted, accepted) in enumerate(zip(m.drafted_per_position, m.accepted_per_position)):
-            retired.drafted_per_position[j] += drafted
-            retired.accepted_per_position[j] += accepted
+        del self._run.rows[i]
+        self._retired = self._retired.plus(self._run.metrics.pop(i))  # its prompt_tokens and new_tokens too
 
     @torch.inference_mode()
     def switch(self, arm: Arm) -> None:
