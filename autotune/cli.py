@@ -16,6 +16,7 @@ from pathlib import Path
 from store import StoreError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_STORE = 1, 2, 3
+PREFIX_BENCH_TOKENS = 8192  # bench prefix: what each model keeps of earlier prompts (serve's default)
 
 
 class CheckFailed(Exception):
@@ -29,13 +30,14 @@ def _emit(result: dict, path: str | None) -> None:
         print(f"wrote {path}")
 
 
-def _engine(args, drafters=None):
+def _engine(args, drafters=None, prefix_cache_tokens: int = 0):
     import torch
 
     from autotune.zoo import load_engine
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return load_engine(args.family, device=args.device, drafters=drafters, compile=args.compile, dtype=dtype)
+    return load_engine(args.family, device=args.device, drafters=drafters, compile=args.compile, dtype=dtype,
+                       prefix_cache_tokens=prefix_cache_tokens)
 
 
 def _classes(args):
@@ -74,7 +76,7 @@ def cmd_demo(args) -> None:
 def _serving_engine(args):
     """The family's engine, or `--target` with its `--drafter NAME=PATH`s and n-gram lookup."""
     if not args.target:
-        return _engine(args)
+        return _engine(args, prefix_cache_tokens=args.prefix_cache_tokens)
     import torch
 
     from engine import NGramDrafter, SpeculativeEngine
@@ -87,7 +89,8 @@ def _serving_engine(args):
         drafters[name] = path
     drafters.setdefault("ngram", NGramDrafter(max_ngram=3))
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return SpeculativeEngine(args.target, drafters, device=args.device, dtype=dtype, compile=args.compile)
+    return SpeculativeEngine(args.target, drafters, device=args.device, dtype=dtype, compile=args.compile,
+                             prefix_cache_tokens=args.prefix_cache_tokens)
 
 
 def cmd_serve(args) -> None:
@@ -180,7 +183,7 @@ def cmd_bench(args) -> None:
         result = bench.bench_limits(engine, max_k=4 if args.quick else args.max_k)
         _print_limits(result)
         return _emit(result, args.json)
-    engine = _engine(args)
+    engine = _engine(args, prefix_cache_tokens=PREFIX_BENCH_TOKENS if args.what == "prefix" else 0)
     if args.what == "engine":
         from autotune.classes import builtin_classes
 
@@ -235,6 +238,14 @@ def cmd_bench(args) -> None:
         print(json.dumps(result, indent=2))
         if not (result["identical_outputs"] and result["clients"]["identical_outputs"]):
             raise CheckFailed("outputs differ between chunked and whole prefills")
+    elif args.what == "prefix":
+        cls = _classes(args)["code" if not args.classes else args.classes.split(",")[0]]
+        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
+        result = bench.bench_prefix(engine, cls, arms, 200 if args.quick else args.context_tokens,
+                                    4 if args.quick else args.requests or 24, 2 if args.quick else 8)
+        print(json.dumps(result, indent=2))
+        if not result["identical_outputs"]:
+            raise CheckFailed("outputs differ between prompts prefilled whole and from kept prefixes")
     elif args.what in ("concurrency", "serve"):
         clients, per_client = (8, 2) if args.quick else (args.clients, 4)
         run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
@@ -336,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=2048, metavar="TOKENS",
                    help="a request joining a batch that decodes is prefilled at most this many tokens a round"
                         " (chunked prefill; 0: in one go)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=8192, metavar="TOKENS",
+                   help="each model keeps this many tokens of earlier prompts' keys and values, so a prompt that"
+                        " starts as one did prefills only the rest (automatic prefix caching; 0: off)")
     p.add_argument("--target", help="a local Hugging Face model folder to serve instead of the family")
     p.add_argument("--drafter", action="append", metavar="NAME=PATH", help="with --target: a drafter model folder")
     p.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
@@ -358,11 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
-                                            " store, limits, cache, longrun, choices, lengths, chunked, concurrency,"
-                                            " serve"))
+                                            " store, limits, cache, longrun, choices, lengths, chunked, prefix,"
+                                            " concurrency, serve"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
-                                    "limits", "cache", "longrun", "choices", "lengths", "chunked", "concurrency",
-                                    "serve"])
+                                    "limits", "cache", "longrun", "choices", "lengths", "chunked", "prefix",
+                                    "concurrency", "serve"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -374,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
     p.add_argument("--requests", type=int,
-                   help="bench controller: stream length (default 160); longrun: requests served (default 320)")
+                   help="bench controller: stream length (default 160); longrun: requests served (default 320);"
+                        " prefix: requests per case (default 24)")
     p.add_argument("--batch", type=int, default=1,
                    help="bench arms: serve each class's first N prompts together as one batch (load N)")
     p.add_argument("--arms-json", action="append",
@@ -390,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="bench lengths, longrun: requests per batch")
     p.add_argument("--prefill-chunk", type=int, nargs="+", default=[512, 2048], metavar="TOKENS",
                    help="bench chunked: chunk sizes compared with prefilling in one go")
+    p.add_argument("--context-tokens", type=int, default=600, metavar="TOKENS",
+                   help="bench prefix: the context every request starts with")
     p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")
     p.add_argument("--llama-shapes", action="store_true",
                    help="bench limits: random bf16 models shaped like Llama-3.1-8B / Llama-3.2-1B (CUDA)")

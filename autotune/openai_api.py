@@ -308,8 +308,9 @@ def prompt_text(prompt, tokenizer) -> str:
 def usage(results: list[ControlledResult], request: ApiRequest) -> dict:
     prompt_tokens = sum(r.metrics.prompt_tokens for r in results[::request.n])  # each prompt once
     completion_tokens = 0 if request.max_tokens == 0 else sum(len(r.tokens) for r in results)
+    cached = sum(r.metrics.cached_prompt_tokens for r in results[::request.n])  # OpenAI's: kept prefixes
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _completion_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float] | None], offset: int = 0) -> dict:

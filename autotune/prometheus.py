@@ -19,6 +19,8 @@ PREFIX = "autotune"
 COUNTERS = {
     "requests_total": ("Requests served, by how they ended.", ("request_class", "arm", "finish_reason")),
     "prompt_tokens_total": ("Prompt tokens of requests served.", ("request_class",)),
+    "cached_prompt_tokens_total": ("Of them, taken from earlier prompts' kept keys and values, not prefilled.",
+                                   ("request_class",)),
     "generation_tokens_total": ("Output tokens.", ("request_class", "arm")),
     "draft_tokens_total": ("Tokens the drafter proposed.", ("request_class", "arm")),
     "accepted_tokens_total": ("Drafted tokens the target kept.", ("request_class", "arm")),
@@ -42,6 +44,7 @@ class ServedCounters:
             v = self._values
             v["requests_total"][cls, arm, str(result.finish_reason)] += 1
             v["prompt_tokens_total"][(cls,)] += m.prompt_tokens
+            v["cached_prompt_tokens_total"][(cls,)] += m.cached_prompt_tokens
             v["generation_tokens_total"][cls, arm] += m.new_tokens
             v["draft_tokens_total"][cls, arm] += m.drafted
             v["accepted_tokens_total"][cls, arm] += m.accepted

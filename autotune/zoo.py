@@ -299,7 +299,8 @@ def content_hash(folder: Path) -> str:
 
 
 def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[str] | None = None,
-                ngram: bool = True, compile: bool | None = None, dtype: torch.dtype | None = None):
+                ngram: bool = True, compile: bool | None = None, dtype: torch.dtype | None = None,
+                prefix_cache_tokens: int = 0):
     """An engine over a trained family: its target, its drafters (all by default), n-gram lookup
     and, with the distilled drafter, the hybrid of the two (`ngram+distilled`)."""
     from engine import HybridDrafter, NGramDrafter, SpeculativeEngine
@@ -310,7 +311,8 @@ def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[
     unknown = set(names) - set(manifest["drafters"])
     if unknown:
         raise ValueError(f"unknown drafter(s) {sorted(unknown)}; this family has {manifest['drafters']}")
-    engine = SpeculativeEngine(folder / manifest["target"], device=device, dtype=dtype, compile=compile)
+    engine = SpeculativeEngine(folder / manifest["target"], device=device, dtype=dtype, compile=compile,
+                               prefix_cache_tokens=prefix_cache_tokens)
     for name in names:
         engine.add_drafter(name, folder / name)
     if ngram:

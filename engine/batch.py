@@ -39,6 +39,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
+from engine.prefix import PrefixCache, shared_starts
 from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, sample, token_logprobs
 
 if TYPE_CHECKING:
@@ -150,6 +151,12 @@ class BatchCache:
         self.keep = torch.arange(width, device=self.keep.device)[None] < kept[:, None]
         self.position = self.position.gather(1, index)
 
+    def row(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row b's keys and values of the slots it keeps, in order [1, heads, kept, width] (a
+        copy): right after a prefill, its prompt's, to keep for later prompts (engine/prefix.py)."""
+        slots = self.keep[b].nonzero()[:, 0]
+        return [(layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots]) for layer in self.cache.layers]
+
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished requests leave the batch); a row may be repeated."""
         index = torch.tensor(rows, device=self.keep.device)
@@ -196,19 +203,23 @@ FORWARD_COST_TOKENS = 256
 
 
 def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
-              cached: list | None = None, share: bool = True
-              ) -> tuple[BatchCache, list[torch.Tensor | None], list[list[dict[int, float] | None] | None]]:
+              cached: list | None = None, share: bool = True, prefixes: PrefixCache | None = None
+              ) -> tuple[BatchCache, list[torch.Tensor | None], list[list[dict[int, float] | None] | None], list[int]]:
     """A batch cache of `seqs` from position 0, each row's last logits [1, V] (None for a
-    `cached` row), and the prompt log-probabilities of the rows with a `scores` entry (vLLM's
-    prompt_logprobs, that many likeliest per token; else None).
+    `cached` row), the prompt log-probabilities of the rows with a `scores` entry (vLLM's
+    prompt_logprobs, that many likeliest per token; else None), and how many of each row's
+    positions came from `prefixes` (earlier prompts' keys and values; rows are kept there too).
 
     Rows with the same tokens and scoring (a request's n choices) are fed once and their cache
     rows copied: prefill costs about its tokens on a busy device (a 512-token prompt took 41 ms
     on the family's target alone, 325 ms as 8 rows, on the CPU); `share=False` feeds every row
     (the baseline of `autotune bench choices`). Rows are fed in groups of similar length
     (`length_groups`), so short prompts are not padded to a long one's length. A row with a
-    `cached` entry (a paused request's keys and values, ModelRunner.cached) is not fed at all."""
-    return finish(prefill_steps(model, seqs, scores, cached, share))
+    `cached` entry (a paused request's keys and values, ModelRunner.cached) is not fed at all, and
+    one that starts as a kept prompt did is fed from where they part (rows not scored); rows that
+    start alike where nothing kept does have the start they share fed once, when that saves more
+    than a forward costs (FORWARD_COST_TOKENS)."""
+    return finish(prefill_steps(model, seqs, scores, cached, share, prefixes=prefixes))
 
 
 def finish(steps: Generator[int, None, tuple]) -> tuple:
@@ -221,8 +232,8 @@ def finish(steps: Generator[int, None, tuple]) -> tuple:
 
 
 def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
-                  cached: list | None = None, share: bool = True, chunk_tokens: int | None = None
-                  ) -> Generator[int, None, tuple]:
+                  cached: list | None = None, share: bool = True, chunk_tokens: int | None = None,
+                  prefixes: PrefixCache | None = None) -> Generator[int, None, tuple]:
     """`prefilled` a forward at a time: the generator stops before each forward, yielding the
     tokens it will feed (rows x columns, padding included), and returns what `prefilled` does.
     With `chunk_tokens`, no forward feeds more than that many (one column at least): a batch
@@ -245,17 +256,41 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
             fed_cached.append(kv)
         source.append(where[key])
     fresh = [i for i, kv in enumerate(fed_cached) if kv is None]
+    kept = {}  # fed row -> (positions, keys and values) of the longest kept prompt it starts as
+    for i in fresh if prefixes is not None else ():
+        n, kv = prefixes.lookup(fed[i]) if fed_scores[i] is None else (0, None)
+        if n:
+            kept[i] = (n, kv)
+    if prefixes is not None:  # rows starting alike that nothing kept: their start fed once, in a forward of its own
+        for start, rows in shared_starts(fed, [i for i in fresh if i not in kept and fed_scores[i] is None]):
+            if (len(rows) - 1) * len(start) > FORWARD_COST_TOKENS:
+                part, _, _ = yield from _prefill_group(model, [start], [None], chunk_tokens)
+                kv = part.row(0)
+                prefixes.insert(start, lambda kv=kv: kv)
+                kept.update((i, (len(start), kv)) for i in rows)
     groups = [[i] for i, kv in enumerate(fed_cached) if kv is not None]
-    groups += [[fresh[k] for k in group] for group in length_groups([len(fed[i]) for i in fresh])]
+    for rows in ([i for i in fresh if i not in kept], [i for i in fresh if i in kept]):  # fed from 0; from a prefix
+        if rows:
+            lengths = [len(fed[i]) - kept.get(i, (0,))[0] for i in rows]
+            groups += [[rows[k] for k in group] for group in length_groups(lengths)]
     cache, lasts, entries, order = None, [None] * len(fed), [None] * len(fed), []
     for group in groups:
         if fed_cached[group[0]] is not None:  # a resumed row: its next token was drawn before the pause
             part, scored = BatchCache.of(model, fed_cached[group[0]]), [None]
         else:
-            part, last, scored = yield from _prefill_group(model, [fed[i] for i in group],
-                                                           [fed_scores[i] for i in group], chunk_tokens)
+            start = None
+            if group[0] in kept:
+                start = BatchCache.of(model, kept[group[0]][1])
+                for i in group[1:]:
+                    start.extend(BatchCache.of(model, kept[i][1]))
+            offsets = [kept.get(i, (0,))[0] for i in group]
+            part, last, scored = yield from _prefill_group(model, [fed[i][n:] for i, n in zip(group, offsets)],
+                                                           [fed_scores[i] for i in group], chunk_tokens,
+                                                           start, offsets)
             for k, i in enumerate(group):
                 lasts[i] = last[k:k + 1]
+                if prefixes is not None:
+                    prefixes.insert(fed[i], lambda k=k, part=part: part.row(k))
         if cache is None:
             cache = part
         else:
@@ -267,7 +302,7 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
     rows = [row_of[f] for f in source]
     if rows != list(range(len(order))):
         cache.select(rows)
-    return cache, [lasts[f] for f in source], [entries[f] for f in source]
+    return cache, [lasts[f] for f in source], [entries[f] for f in source], [kept.get(f, (0,))[0] for f in source]
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
@@ -289,15 +324,17 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None],
-                   chunk_tokens: int | None = None) -> Generator[int, None, tuple[BatchCache, torch.Tensor, list]]:
+                   chunk_tokens: int | None = None, start: BatchCache | None = None, offsets: list[int] | None = None
+                   ) -> Generator[int, None, tuple[BatchCache, torch.Tensor, list]]:
     """The prefill of `seqs` (right-aligned), stopping before each forward: one forward, or
-    chunks of columns of at most `chunk_tokens` tokens. Where prompts are scored the rows are
+    chunks of columns of at most `chunk_tokens` tokens; after the rows of `start`, a cache of
+    their first `offsets` positions (kept prefixes), if given. Where prompts are scored the rows are
     fed in chunks too, each chunk's logits reduced to entries before the next, so a batch of
     long prompts (an evaluation harness's log-likelihoods) holds at most PROMPT_LOGITS_BUDGET
     logits, not rows x prompt x vocabulary (16 x 1000 x 32k: 2 GB in float32)."""
-    cache = BatchCache(model, len(seqs))
+    cache = start if start is not None else BatchCache(model, len(seqs))
     ids, live = _block(seqs, model.device, right=True)
-    positions = _positions(live, [0] * len(seqs))
+    positions = _positions(live, offsets or [0] * len(seqs))
     width = ids.shape[1]
     entries: list = [None if top is None else [None] for top in scores]
     scoring = any(top is not None for top in scores)
@@ -374,7 +411,7 @@ class BatchDrafter:
     """A model drafter run for the whole batch: K one-token steps (the first may catch up 2)."""
 
     def __init__(self, drafter: ModelDrafter, rows: list[Row]) -> None:
-        self.cache, _, _ = prefilled(drafter.model, [r.tokens[:-1] for r in rows])
+        self.cache = prefilled(drafter.model, [r.tokens[:-1] for r in rows], prefixes=drafter.runner.prefixes)[0]
         for r in rows:
             r.seen = len(r.tokens) - 1
 
@@ -443,11 +480,12 @@ class BatchRun:
     """
 
     def __init__(self, target: PreTrainedModel, drafter, k: int, batch, clock,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, prefixes: PrefixCache | None = None) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InvalidRequestError(f"prefill_chunk must be a positive number of tokens, not {prefill_chunk}")
         self.target, self.batch, self.clock = target, batch, clock
         self.prefill_chunk = prefill_chunk
+        self.prefixes = prefixes  # the target's kept prompts (engine/prefix.py)
         self.rows: dict[int, Row] = {}  # by index, in the order added (BatchSession may forget finished ones)
         self.metrics: dict = {}  # one GenerationMetrics per row
         self.added = 0  # rows added so far: the next one's index
@@ -531,7 +569,8 @@ class BatchRun:
         where it stopped."""
         asked = [r.sampling.prompt_logprobs if r.resumes is None else None for r in rows]
         return prefill_steps(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked,
-                             [r.cached if r.resumes else None for r in rows], chunk_tokens=chunk_tokens)
+                             [r.cached if r.resumes else None for r in rows], chunk_tokens=chunk_tokens,
+                             prefixes=self.prefixes)
 
     def _advance_joins(self) -> None:
         """Prefill forwards of the waiting joins, oldest first, while this round's stay within
@@ -580,7 +619,7 @@ class BatchRun:
         """Rows whose target prefill is done join the batch: each draws its first token, the
         drafter's cache is prefilled for them, and both caches take them as more rows."""
         rows = [self.rows[i] for i in indexes]
-        cache, logits, scored = prefill
+        cache, logits, scored, reused = prefill
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
             r.cached = None  # in the batch's cache now
@@ -601,10 +640,11 @@ class BatchRun:
             draft_prefill = self.clock() - began
         self.batch.prefill_s += draft_prefill
         self.batch.draft_prefill_s += draft_prefill
-        for r, i in zip(rows, indexes):
+        for r, i, n in zip(rows, indexes, reused):
             r.stopped = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None
             r.done = r.stopped or r.remaining <= 0
             self.metrics[i].prefill_s, self.metrics[i].draft_prefill_s = target_s + draft_prefill, draft_prefill
+            self.metrics[i].cached_prompt_tokens = n
         if self.live:
             self.target_cache.extend(cache)
             if self.batch_drafter is not None:

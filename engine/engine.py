@@ -22,6 +22,7 @@ from engine.batch import BatchRun, Row, check_batchable
 from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.kvcache import recurrent_kinds, uses_alibi
+from engine.prefix import PrefixCache
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, commit, probabilities, prompt_logprobs, sample
 from engine.schedule import ConstantK, KSchedule
@@ -32,6 +33,7 @@ from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
 @dataclass
 class GenerationMetrics:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, taken from earlier prompts' keys and values (engine/prefix.py)
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0
@@ -192,6 +194,7 @@ class SpeculativeEngine:
         static_cache: bool = False,
         compile: bool | None = None,
         compiled_cache_len: int | None = None,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.device = torch.device(device)
         if dtype is None:
@@ -209,6 +212,11 @@ class SpeculativeEngine:
         self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
         self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         self.runner = ModelRunner(self.target, self.cache_kind, compiled_cache_len)
+        # Each model keeps this many tokens of earlier prompts' keys and values (0: none), so a
+        # request that starts as one did prefills only the rest (engine/prefix.py).
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self._prefix_caches: dict[PreTrainedModel, PrefixCache] = {}
+        self._keep_prefixes(self.runner)
         self.vocab_size = self.target.config.vocab_size
         self.max_length = getattr(self.target.config, "max_position_embeddings", None)
         self.eos_token_id = self._eos_ids()
@@ -245,6 +253,7 @@ class SpeculativeEngine:
         if model is not None:
             if model.runner.kind != self.cache_kind or self.cache_kind == "compiled":  # a dynamic one is as good
                 model.runner = ModelRunner(model.model, self.cache_kind, self.compiled_cache_len)
+            self._keep_prefixes(model.runner)
             if not model.runner.verifies:
                 raise IncompatibleDrafterError(
                     f"drafter {name!r} ({type(model.model).__name__}) cannot draft: its steps of several tokens"
@@ -263,6 +272,14 @@ class SpeculativeEngine:
                     f"drafter {name!r} uses a tokenizer that does not match the target's"
                 )
         self.drafters[name] = drafter
+
+    def _keep_prefixes(self, runner: ModelRunner) -> None:
+        """Give `runner` its model's prefix cache, one per model (a hybrid drafter's model shares
+        the plain drafter's)."""
+        if self.prefix_cache_tokens:
+            if runner.model not in self._prefix_caches:
+                self._prefix_caches[runner.model] = PrefixCache(self.prefix_cache_tokens)
+            runner.prefixes = self._prefix_caches[runner.model]
 
     def warm_up(self, arms: list[Arm | str]) -> dict[str, dict[str, float]]:
         """Compile, before serving, every graph `arms` can use, so no request pays for compiling.
@@ -435,6 +452,7 @@ class SpeculativeEngine:
 
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
         logits = self.runner.begin(ids, max_length, 1 if sampling.prompt_logprobs is None else 0)
+        m.cached_prompt_tokens = self.runner.reused
         tokens = ids.tolist()
         if sampling.prompt_logprobs is not None:
             result.prompt_logprobs = prompt_logprobs(logits, tokens, sampling.prompt_logprobs)
@@ -659,7 +677,8 @@ class BatchSession:
         self.keep_results = keep_results
         # the counts of the requests forgotten (keep_results=False)
         self._retired = GenerationMetrics(drafted_per_position=[0] * MAX_K, accepted_per_position=[0] * MAX_K)
-        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync, prefill_chunk)
+        self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync, prefill_chunk,
+                             engine.runner.prefixes)
 
     def _drafter(self, arm: Arm) -> Drafter | None:
         return self.engine.check_batch_request(1, arm, 1)  # the model and the drafter can run batched
@@ -787,6 +806,7 @@ class BatchSession:
         self.finished()
         batch = self.totals()  # sums per position over untrimmed lengths: rows were trimmed when done
         batch.prompt_tokens = self._retired.prompt_tokens + sum(r.prompt_len for r in self._run.rows.values())
+        batch.cached_prompt_tokens = sum(m.cached_prompt_tokens for m in [self._retired, *self._run.metrics.values()])
         batch.trim_positions()
         return BatchResult([self.results[i] for i in sorted(self.results)], batch)
 

@@ -51,6 +51,7 @@ from engine.kvcache import (
     rollback_static_cache,
     uses_alibi,
 )
+from engine.prefix import PrefixCache
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
@@ -120,6 +121,8 @@ class ModelRunner:
                              " throws off: use the dynamic cache")
         self._checkpoint: StateCheckpoint | None = None
         self._fed: list[torch.Tensor] = []
+        self.prefixes: PrefixCache | None = None  # earlier prompts' keys and values (engine/prefix.py)
+        self.reused = 0  # prompt positions the last `begin` took from `prefixes`
         # Mamba-style models take their cache as `cache_params` (transformers 5.23) or `cache`
         # (5.24): a `past_key_values` would be dropped into **kwargs, and every step would start
         # from a fresh cache.
@@ -162,7 +165,22 @@ class ModelRunner:
             self._eager_request = True
             self._cache = GrowingCache(self.model.config)
             self._checkpoint, self._fed = None, []
-        out = self.model(prompt[None], **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=logits_to_keep)
+        # Kept prefixes serve the growing cache (a static one is written by position; not done) and
+        # prompts not scored (scoring needs every position's logits).
+        keeps = self.prefixes is not None and isinstance(self._cache, GrowingCache) and not self.recurrent
+        tokens = prompt.tolist() if keeps else None
+        self.reused, kept = self.prefixes.lookup(tokens) if keeps and logits_to_keep else (0, None)
+        if kept is None:
+            out = self.model(prompt[None], **{self._cache_arg: self._cache}, use_cache=True,
+                             logits_to_keep=logits_to_keep)
+        else:
+            for layer, (keys, values) in zip(self._cache.layers, kept, strict=True):
+                layer.update(keys, values)
+            positions = torch.arange(self.reused, prompt.numel(), device=prompt.device)
+            out = self.model(prompt[None, self.reused:], **{self._cache_arg: self._cache}, use_cache=True,
+                             logits_to_keep=logits_to_keep, cache_position=positions, position_ids=positions[None])
+        if keeps:
+            self.prefixes.insert(tokens, lambda: self.cached(prompt.numel()))
         return out.logits[0]
 
     @torch.inference_mode()

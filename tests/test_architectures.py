@@ -133,6 +133,23 @@ def test_a_batch_and_a_request_joining_it_are_lossless(models, compacted, monkey
         assert not any(r.fell_back for r in batch), arm
 
 
+def test_prompts_starting_as_kept_ones_prefill_the_rest_only_and_stay_lossless(models):
+    """Kept prefixes (engine/prefix.py), alone and in a batch: the rest of a prompt is fed at its
+    own positions after the kept ones, windows, chunks and sinks masked from those positions."""
+    target, drafter, expected = models
+    extra = PROMPTS[0][:20] + list(range(40, 48))  # starts as PROMPTS[0], 8 more past the window
+    engine = SpeculativeEngine(target, {"small": drafter}, prefix_cache_tokens=256)
+    engine.generate(PROMPTS[0], "off", 1)
+    first = engine.generate(extra, "off", NEW)
+    assert first.metrics.cached_prompt_tokens == 20 and first.tokens == hf_greedy(target, extra, NEW)
+    batch = engine.generate_batch([extra, PROMPTS[0], PROMPTS[1]], "small:3", NEW)
+    assert [r.metrics.cached_prompt_tokens for r in batch] == [len(extra) - 1, len(PROMPTS[0]) - 1, 0]
+    assert [r.tokens for r in batch] == [first.tokens, *expected[:2]]
+    again = engine.generate(extra[:24] + [9], "small:3", NEW)  # the drafter kept the batch's prompts
+    assert engine.drafters["small"].runner.reused == 24
+    assert again.tokens == hf_greedy(target, extra[:24] + [9], NEW)
+
+
 RECURRENT = {  # models whose layers hold a recurrent state: name -> (seed -> model)
     # gated linear attention between full-attention layers
     "qwen3next": tiny_qwen3_next,

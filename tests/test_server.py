@@ -85,7 +85,8 @@ def test_a_completion_is_the_targets_own_output_with_what_the_controller_chose(s
     assert choice["text"] == expected.text and choice["finish_reason"] == "length"
     assert choice["autotune"]["request_class"] == "code" and choice["autotune"]["arm"] in ("off", "self:3", "ngram:4")
     assert body["usage"] == {"prompt_tokens": expected.metrics.prompt_tokens, "completion_tokens": 20,
-                             "total_tokens": expected.metrics.prompt_tokens + 20}
+                             "total_tokens": expected.metrics.prompt_tokens + 20,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_a_stream_adds_up_to_the_completion_and_holds_back_a_stop_string(served):
@@ -198,7 +199,8 @@ def test_max_tokens_0_with_echo_scores_the_prompt_as_evaluation_harnesses_ask(se
     assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["tokens"]) == len(ids)
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([e[t] for e, t in zip(expected[1:], ids[1:])],
                                                                      abs=1e-4)
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -453,7 +455,7 @@ def test_with_an_api_key_the_v1_routes_need_it(served):
     server = CompletionServer(controller, ("127.0.0.1", 0), api_key="sesame")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_port}"
-    body = {"prompt": PROMPTS[0], "max_tokens": 4}
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}  # greedy: no EOS within 4 tokens
     try:
         assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}  # probes need none
         for headers in (None, {"Authorization": "Bearer open"}, {"Authorization": "sesame"}):
@@ -484,3 +486,27 @@ def test_a_body_too_large_or_of_no_stated_length_is_refused_before_it_is_read(se
     response = connection.getresponse()
     assert response.status == status and words in json.loads(response.read())["error"]["message"]
     connection.close()
+
+
+def test_usage_counts_the_prompt_tokens_a_kept_prefix_served(served):
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`, from an engine keeping prefixes: a
+    prompt sent again prefills only its last token, and n choices count their prompt once."""
+    engine, _ = served
+    keeping = SpeculativeEngine(engine.target, {"self": engine.target}, tokenizer=engine.tokenizer,
+                                prefix_cache_tokens=256)
+    server = CompletionServer(AutotuneController(keeping, policy="static", arms=[OFF], arm=OFF), ("127.0.0.1", 0))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    prompt = PROMPTS[1] * 4
+    ids = keeping.encode(prompt).tolist()
+    try:
+        counts = [post(base, {"prompt": prompt, "max_tokens": 4, "temperature": 0, "n": n})[1]["usage"]
+                  for n in (1, 2)]
+        assert [c["prompt_tokens_details"]["cached_tokens"] for c in counts] == [0, len(ids) - 1]
+        assert [c["prompt_tokens"] for c in counts] == [len(ids), len(ids)]
+        scraped = urllib.request.urlopen(base + "/metrics").read().decode()
+        # each choice is a request of its own: the two choices count their prompt twice
+        assert f'autotune_cached_prompt_tokens_total{{request_class="default"}} {2 * (len(ids) - 1)}' in scraped
+    finally:
+        server.shutdown()
+        server.server_close()

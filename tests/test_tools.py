@@ -292,3 +292,17 @@ def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(sm
     assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in configs.values())  # streamed before done
     # Queued, then prefilled (a p50 wait under 0.5 ms rounds to 0 in the report).
     assert all(c["queue_s_p50"] < c["ttft_s_p50"] and c["queue_s_p99"] > 0 for c in configs.values())
+
+
+def test_bench_prefix_serves_alike_from_kept_prefixes_or_whole_prompts(target, draft_model, classes):
+    from autotune.bench import bench_prefix
+
+    engine = SpeculativeEngine(target, {"small": draft_model}, prefix_cache_tokens=512)
+    result = bench_prefix(engine, classes["rep"], [Arm(), Arm("small", 3)], context_tokens=40, requests=4, batch=2)
+    assert result["identical_outputs"] is True and result["prompt_tokens"] == 60
+    # each case starts cold: the first request (or batch of 2) prefills whole, the rest reuse the 40-token
+    # context: 3 x 40 or 2 x 40 of 4 x 60 prompt tokens
+    assert {case: c["cached_prompt_share"] for case, c in result["cases"].items()} == {
+        "off alone": 0.5, "off batches of 2": 0.333, "small:3 alone": 0.5, "small:3 batches of 2": 0.333}
+    with pytest.raises(ValueError, match="keeps prefixes"):
+        bench_prefix(SpeculativeEngine(target), classes["rep"], [Arm()], 40, 2, 2)

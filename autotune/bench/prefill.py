@@ -6,7 +6,8 @@ self-consistency sampling ask for them) with their prompt prefilled once and sha
 every choice prefilling it. `autotune bench lengths`: rows of mixed lengths (a burst of every
 class) prefilled in groups of similar length, against all in one forward padded to the longest.
 `autotune bench chunked`: long prompts joining a batch that decodes, and bursts of clients,
-prefilled a chunk a round against in one go.
+prefilled a chunk a round against in one go. `autotune bench prefix`: requests sharing a long
+context, their models keeping earlier prompts' keys and values against keeping none.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from autotune.bench.common import client_plan, device_name, p99, rotate, run_cli
 from autotune.classes import RequestClass
 from autotune.controller import AutotuneController
 from engine import Arm, BatchRequest, SamplingParams, SpeculativeEngine
+from engine.drafters import model_drafter_of
 
 
 def _every_choice():
@@ -252,3 +254,70 @@ def bench_chunked_clients(engine: SpeculativeEngine, classes: dict[str, RequestC
             "gap_ms": {"p50": round(ms[len(ms) // 2], 1), "p99": round(p99(ms), 1), "max": round(ms[-1], 1)}}
     return {"clients": clients, "requests_per_client": requests_per_client, "rounds": rounds,
             "identical_outputs": all(outputs[chunk] == outputs[chunks[0]] for chunk in chunks), "cases": out}
+
+
+def _runners(engine: SpeculativeEngine) -> list:
+    """The target's runner and each model drafter's."""
+    return [engine.runner] + [model_drafter_of(d).runner for d in engine.drafters.values()
+                              if model_drafter_of(d) is not None]
+
+
+@contextlib.contextmanager
+def _no_kept_prefixes(engine: SpeculativeEngine):
+    """The engine's models keeping no prompts for the while (each prompt prefilled whole)."""
+    runners = _runners(engine)
+    kept = [r.prefixes for r in runners]
+    for r in runners:
+        r.prefixes = None
+    try:
+        yield
+    finally:
+        for r, prefixes in zip(runners, kept):
+            r.prefixes = prefixes
+
+
+def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], context_tokens: int,
+                 requests: int, batch: int) -> dict:
+    """Requests of one `context_tokens`-token context (the class's prompts joined, a document or
+    few-shot prompt's shape) each followed by one of the class's prompts, greedy; per arm, served
+    one at a time and in batches of `batch`, with the engine's prefix caches (built with it) and
+    with none, taking turns; the outputs must be identical."""
+    if engine.runner.prefixes is None:
+        raise ValueError("bench prefix needs an engine that keeps prefixes (prefix_cache_tokens)")
+    context = long_prompts(engine, cls, context_tokens, 1)[0]
+    prompts = [context + engine.encode(cls.prompts[i % len(cls.prompts)], add_special_tokens=False).tolist()
+               for i in range(requests)]
+    ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+    out, identical = {}, True
+    for arm in arms:
+        for mode, size in (("alone", 1), (f"batches of {batch}", batch)):
+            for runner in _runners(engine):  # each case starts cold: only the context is shared
+                runner.prefixes.clear()
+            seconds, prefill, tokens, cached = (dict.fromkeys(ways, 0.0) for _ in range(4))
+            groups = [prompts[start:start + size] for start in range(0, requests, size)]
+            for i, group in enumerate(groups):
+                outputs = []
+                for way in rotate(list(ways), i):
+                    with ways[way]():
+                        began = time.perf_counter()
+                        if size == 1:
+                            served = [engine.generate(group[0], arm, cls.max_new_tokens)]
+                            prefill[way] += served[0].metrics.prefill_s
+                        else:
+                            result = engine.generate_batch(group, arm, cls.max_new_tokens)
+                            served = list(result)
+                            prefill[way] += result.metrics.prefill_s
+                        seconds[way] += time.perf_counter() - began
+                    tokens[way] += sum(r.metrics.new_tokens for r in served)
+                    cached[way] += sum(r.metrics.cached_prompt_tokens for r in served)
+                    outputs.append([r.tokens for r in served])
+                identical &= outputs[0] == outputs[1]
+            out[f"{arm} {mode}"] = {
+                "tokens_per_s": {w: round(tokens[w] / seconds[w], 1) for w in ways},
+                f"prefill_s_per_{'request' if size == 1 else 'batch'}": {w: round(prefill[w] / len(groups), 4)
+                                                                        for w in ways},
+                "cached_prompt_share": round(cached["kept"] / sum(map(len, prompts)), 3),
+                "kept_vs_none": round(tokens["kept"] / seconds["kept"] / (tokens["none"] / seconds["none"]), 3)}
+    return {"device": device_name(engine), "class": cls.name, "context_tokens": context_tokens,
+            "prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1), "requests": requests,
+            "max_new_tokens": cls.max_new_tokens, "identical_outputs": identical, "cases": out}
