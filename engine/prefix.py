@@ -12,7 +12,9 @@ What is reused:
 - at most all but the prompt's last token: the first output token is drawn from the last
   position's logits, so that position is always fed;
 - at least MIN_REUSE tokens, vLLM's block size: a BOS alone is shared by every prompt, and a
-  short hit saves less than it costs to copy.
+  short hit saves less than it costs to copy;
+- not for a prompt scored for its logprobs (every position's logits are needed; it is kept),
+  nor for a model with recurrent layers (a state is not per position: nothing is kept).
 Feeding the rest of a prompt after kept positions computes what feeding it whole computes, but
 float matmuls split differently, so logits may differ in their last bits (as with chunked
 prefill); the tests hold greedy outputs identical to the target's own.

@@ -165,9 +165,10 @@ class ModelRunner:
             self._eager_request = True
             self._cache = GrowingCache(self.model.config)
             self._checkpoint, self._fed = None, []
-        # Kept prefixes serve the growing cache (a static one is written by position; not done) and
-        # prompts not scored (scoring needs every position's logits).
-        keeps = self.prefixes is not None and isinstance(self._cache, GrowingCache) and not self.recurrent
+        # Kept prefixes serve prompts not scored (scoring needs every position's logits), written into
+        # a fresh cache of any kind (a static layer writes from its write position, 0 here, as a
+        # growing one appends); not models with recurrent layers, whose states no prefix gives.
+        keeps = self.prefixes is not None and not self.recurrent
         tokens = prompt.tolist() if keeps else None
         self.reused, kept = self.prefixes.lookup(tokens) if keeps and logits_to_keep else (0, None)
         if kept is None:

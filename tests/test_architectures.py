@@ -133,12 +133,14 @@ def test_a_batch_and_a_request_joining_it_are_lossless(models, compacted, monkey
         assert not any(r.fell_back for r in batch), arm
 
 
-def test_prompts_starting_as_kept_ones_prefill_the_rest_only_and_stay_lossless(models):
-    """Kept prefixes (engine/prefix.py), alone and in a batch: the rest of a prompt is fed at its
-    own positions after the kept ones, windows, chunks and sinks masked from those positions."""
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_prompts_starting_as_kept_ones_prefill_the_rest_only_and_stay_lossless(models, static_cache):
+    """Kept prefixes (engine/prefix.py), alone (growing or static cache) and in a batch: the rest
+    of a prompt is fed at its own positions after the kept ones, windows, chunks and sinks masked
+    from those positions."""
     target, drafter, expected = models
     extra = PROMPTS[0][:20] + list(range(40, 48))  # starts as PROMPTS[0], 8 more past the window
-    engine = SpeculativeEngine(target, {"small": drafter}, prefix_cache_tokens=256)
+    engine = SpeculativeEngine(target, {"small": drafter}, prefix_cache_tokens=256, static_cache=static_cache)
     engine.generate(PROMPTS[0], "off", 1)
     first = engine.generate(extra, "off", NEW)
     assert first.metrics.cached_prompt_tokens == 20 and first.tokens == hf_greedy(target, extra, NEW)

@@ -12,7 +12,7 @@ ARMS = ["off", "small:3", "ngram:3", "hybrid:3"]
 @pytest.fixture(scope="module")
 def compiled(target, draft_model):
     drafters = {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "hybrid": HybridDrafter(draft_model)}
-    engine = SpeculativeEngine(target, drafters, compile=True)
+    engine = SpeculativeEngine(target, drafters, compile=True, prefix_cache_tokens=1024)  # prompts >= 17 tokens reuse
     return engine, engine.warm_up(ARMS)
 
 
@@ -33,7 +33,7 @@ def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
     engine, _ = compiled
     eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3),
                                        "hybrid": HybridDrafter(draft_model)})
-    accepted = 0
+    accepted = reused = 0
     for i, prompt in enumerate(prompts(10)):
         max_new = 17 + i % 5  # the last draft crosses max_new_tokens: shorter verify steps
         reference = hf_greedy(target, prompt, max_new)
@@ -43,7 +43,8 @@ def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
             # Same drafts as eager: the drafter runs its own graph, not the target's (same code, other weights).
             assert result.metrics.accepted == eager.generate(prompt, arm, max_new_tokens=max_new).metrics.accepted
             accepted += result.metrics.accepted
-    assert accepted > 0
+            reused += result.metrics.cached_prompt_tokens  # the static cache written from kept prompts
+    assert accepted > 0 and reused > 0
 
 
 def test_compiled_sampling_matches_the_eager_engine_draw_for_draw(compiled, target, draft_model):
