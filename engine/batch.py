@@ -217,8 +217,8 @@ def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | 
     (`length_groups`), so short prompts are not padded to a long one's length. A row with a
     `cached` entry (a paused request's keys and values, ModelRunner.cached) is not fed at all, and
     one that starts as a kept prompt did is fed from where they part (rows not scored); rows that
-    start alike where nothing kept does have the start they share fed once, when that saves more
-    than a forward costs (FORWARD_COST_TOKENS)."""
+    start alike beyond what is kept have the start they share fed once (from what is kept of it),
+    when that saves more than a forward costs (FORWARD_COST_TOKENS)."""
     return finish(prefill_steps(model, seqs, scores, cached, share, prefixes=prefixes))
 
 
@@ -257,17 +257,20 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
         source.append(where[key])
     fresh = [i for i, kv in enumerate(fed_cached) if kv is None]
     kept = {}  # fed row -> (positions, keys and values) of the longest kept prompt it starts as
-    for i in fresh if prefixes is not None else ():
-        n, kv = prefixes.lookup(fed[i]) if fed_scores[i] is None else (0, None)
+    unscored = [i for i in fresh if fed_scores[i] is None] if prefixes is not None else []
+    for i in unscored:
+        n, kv = prefixes.lookup(fed[i])
         if n:
             kept[i] = (n, kv)
-    if prefixes is not None:  # rows starting alike that nothing kept: their start fed once, in a forward of its own
-        for start, rows in shared_starts(fed, [i for i in fresh if i not in kept and fed_scores[i] is None]):
-            if (len(rows) - 1) * len(start) > FORWARD_COST_TOKENS:
-                part, _, _ = yield from _prefill_group(model, [start], [None], chunk_tokens)
-                kv = part.row(0)
-                prefixes.insert(start, lambda kv=kv: kv)
-                kept.update((i, (len(start), kv)) for i in rows)
+    for start, rows in shared_starts(fed, unscored):  # rows that start alike beyond what is kept
+        n, kv = prefixes.lookup(start)
+        saved = sum(len(start) - kept.get(i, (0,))[0] for i in rows) - (len(start) - n)
+        if saved > FORWARD_COST_TOKENS:  # their shared start fed once, in a forward of its own
+            begun = BatchCache.of(model, kv) if n else None
+            part, _, _ = yield from _prefill_group(model, [start[n:]], [None], chunk_tokens, begun, [n])
+            kv = part.row(0)
+            prefixes.insert(start, lambda kv=kv: kv)
+            kept.update((i, (len(start), kv)) for i in rows if kept.get(i, (0,))[0] < len(start))
     groups = [[i] for i, kv in enumerate(fed_cached) if kv is not None]
     for rows in ([i for i in fresh if i not in kept], [i for i in fresh if i in kept]):  # fed from 0; from a prefix
         if rows:

@@ -116,3 +116,15 @@ def test_rows_starting_alike_have_their_shared_start_fed_once(engine, target, ar
     monkeypatch.setattr("engine.batch.FORWARD_COST_TOKENS", 1000)  # not worth a forward: fed whole
     other = shared_start(3, seed=8)
     assert [r.metrics.cached_prompt_tokens for r in engine.generate_batch(other, arm, 4)] == [0, 0, 0]
+
+
+def test_rows_starting_alike_beyond_a_kept_prompt_feed_the_rest_of_their_start_once(engine, target, monkeypatch):
+    """Steady state behind one system prompt: it is kept, and requests arriving together about a
+    new document share more than it. The document is fed once, after the kept system prompt."""
+    monkeypatch.setattr("engine.batch.FORWARD_COST_TOKENS", 16)
+    system, document = shared_start(1, start=20, rest=1, seed=2)[0][:20], shared_start(1, start=40, rest=1)[0][:40]
+    engine.generate(system + [1, 2, 3], "off", 2)  # keeps the system prompt
+    rows = [system + document + [i, 7, 7] for i in range(3)]
+    out = engine.generate_batch(rows, "small:3", 12)
+    assert [r.metrics.cached_prompt_tokens for r in out] == [60, 60, 60]
+    assert [r.tokens for r in out] == [hf_greedy(target, p, 12) for p in rows]
