@@ -107,7 +107,8 @@ def cmd_serve(args) -> None:
         server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
                                   api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"))
         print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
-              f" batches of up to {args.max_batch}); store {store.url}; Ctrl-C stops", flush=True)
+              f" batches of up to {args.max_batch}, {args.prefix_cache_tokens} prompt tokens kept a model);"
+              f" store {store.url}; Ctrl-C stops", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: as Ctrl-C
         try:
             server.serve_forever()
