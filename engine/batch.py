@@ -39,7 +39,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
-from engine.prefix import PrefixCache, shared_starts
+from engine.prefix import KV, PrefixCache, shared_starts
 from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, sample, token_logprobs
 
 if TYPE_CHECKING:
@@ -256,21 +256,9 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
             fed_cached.append(kv)
         source.append(where[key])
     fresh = [i for i, kv in enumerate(fed_cached) if kv is None]
-    kept = {}  # fed row -> (positions, keys and values) of the longest kept prompt it starts as
-    unscored = [i for i in fresh if fed_scores[i] is None] if prefixes is not None else []
-    for i in unscored:
-        n, kv = prefixes.lookup(fed[i])
-        if n:
-            kept[i] = (n, kv)
-    for start, rows in shared_starts(fed, unscored):  # rows that start alike beyond what is kept
-        n, kv = prefixes.lookup(start)
-        saved = sum(len(start) - kept.get(i, (0,))[0] for i in rows) - (len(start) - n)
-        if saved > FORWARD_COST_TOKENS:  # their shared start fed once, in a forward of its own
-            begun = BatchCache.of(model, kv) if n else None
-            part, _, _ = yield from _prefill_group(model, [start[n:]], [None], chunk_tokens, begun, [n])
-            kv = part.row(0)
-            prefixes.insert(start, lambda kv=kv: kv)
-            kept.update((i, (len(start), kv)) for i in rows if kept.get(i, (0,))[0] < len(start))
+    kept = {}  # fed row -> (positions, keys and values) it takes from `prefixes`
+    if prefixes is not None:
+        kept = yield from _reusable(model, fed, [i for i in fresh if fed_scores[i] is None], prefixes, chunk_tokens)
     groups = [[i] for i, kv in enumerate(fed_cached) if kv is not None]
     for rows in ([i for i in fresh if i not in kept], [i for i in fresh if i in kept]):  # fed from 0; from a prefix
         if rows:
@@ -281,11 +269,7 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
         if fed_cached[group[0]] is not None:  # a resumed row: its next token was drawn before the pause
             part, scored = BatchCache.of(model, fed_cached[group[0]]), [None]
         else:
-            start = None
-            if group[0] in kept:
-                start = BatchCache.of(model, kept[group[0]][1])
-                for i in group[1:]:
-                    start.extend(BatchCache.of(model, kept[i][1]))
+            start = _cache_of(model, [kept[i][1] for i in group]) if group[0] in kept else None
             offsets = [kept.get(i, (0,))[0] for i in group]
             part, last, scored = yield from _prefill_group(model, [fed[i][n:] for i, n in zip(group, offsets)],
                                                            [fed_scores[i] for i in group], chunk_tokens,
@@ -306,6 +290,37 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
     if rows != list(range(len(order))):
         cache.select(rows)
     return cache, [lasts[f] for f in source], [entries[f] for f in source], [kept.get(f, (0,))[0] for f in source]
+
+
+def _reusable(model: PreTrainedModel, seqs: list[list[int]], rows: list[int], prefixes: PrefixCache,
+              chunk_tokens: int | None) -> Generator[int, None, dict[int, tuple[int, KV]]]:
+    """For `rows` of `seqs` (prompts not scored), the positions each takes from `prefixes` and
+    their keys and values: the most a kept prompt holds, or more where rows start alike beyond
+    that and feeding the start they share once (from what is kept of it, in a forward of its own)
+    saves more than a forward costs. Stops before each forward, as `prefill_steps` does."""
+    kept = {}
+    for i in rows:
+        n, kv = prefixes.lookup(seqs[i])
+        if n:
+            kept[i] = (n, kv)
+    for start, sharing in shared_starts(seqs, rows):
+        n, kv = prefixes.lookup(start)
+        saved = sum(len(start) - kept.get(i, (0,))[0] for i in sharing) - (len(start) - n)
+        if saved > FORWARD_COST_TOKENS:
+            part, _, _ = yield from _prefill_group(model, [start[n:]], [None], chunk_tokens,
+                                                   _cache_of(model, [kv]) if n else None, [n])
+            kv = part.row(0)
+            prefixes.insert(start, lambda kv=kv: kv)
+            kept.update((i, (len(start), kv)) for i in sharing if kept.get(i, (0,))[0] < len(start))
+    return kept
+
+
+def _cache_of(model: PreTrainedModel, kvs: list[KV]) -> BatchCache:
+    """A batch cache holding these keys and values, a row each (shorter rows padded with holes)."""
+    cache = BatchCache.of(model, kvs[0])
+    for kv in kvs[1:]:
+        cache.extend(BatchCache.of(model, kv))
+    return cache
 
 
 def length_groups(lengths: list[int]) -> list[list[int]]:
