@@ -151,10 +151,11 @@ class BatchCache:
         self.keep = torch.arange(width, device=self.keep.device)[None] < kept[:, None]
         self.position = self.position.gather(1, index)
 
-    def row(self, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Row b's keys and values of the slots it keeps, in order [1, heads, kept, width] (a
-        copy): right after a prefill, its prompt's, to keep for later prompts (engine/prefix.py)."""
-        slots = self.keep[b].nonzero()[:, 0]
+    def row(self, b: int, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row b's keys and values of the first `length` slots it keeps (all: None), in order [1,
+        heads, length, width] (a copy): its positions 0.. (kept slots are in position order), to
+        keep for later prompts (engine/prefix.py)."""
+        slots = self.keep[b].nonzero()[:length, 0]
         return [(layer.keys[b:b + 1, :, slots], layer.values[b:b + 1, :, slots]) for layer in self.cache.layers]
 
     def select(self, rows: list[int]) -> None:
@@ -429,7 +430,8 @@ class BatchDrafter:
     """A model drafter run for the whole batch: K one-token steps (the first may catch up 2)."""
 
     def __init__(self, drafter: ModelDrafter, rows: list[Row]) -> None:
-        self.cache = prefilled(drafter.model, [r.tokens[:-1] for r in rows], prefixes=drafter.runner.prefixes)[0]
+        self.prefixes = drafter.runner.prefixes  # the drafter's kept prompts
+        self.cache = prefilled(drafter.model, [r.tokens[:-1] for r in rows], prefixes=self.prefixes)[0]
         for r in rows:
             r.seen = len(r.tokens) - 1
 
@@ -780,6 +782,9 @@ class BatchRun:
         if len(keep) == len(self.live):
             return
         finished = [i for i in self.live if self.rows[i].done]
+        for b, i in enumerate(self.live):
+            if self.rows[i].done:
+                self._keep(b, self.rows[i])
         # Each hole among the first len(keep) cache rows takes a kept row from behind them, so the
         # caches copy one row per request that left, not every row behind it (row order is free).
         behind = [b for b in keep if b >= len(keep)]
@@ -793,6 +798,18 @@ class BatchRun:
         for i in finished:
             self.metrics[i].total_s = elapsed - self.rows[i].joined_s
         self.finished += finished
+
+
+    def _keep(self, b: int, row: Row) -> None:
+        """Keep a finished row's prompt and output, cache row b, for later prompts that start with
+        them (a chat's next turn), in the target's and the drafter's kept prompts."""
+        n = len(row.tokens) - 1  # the last token was never fed (a stop string may have cut fed ones)
+        if self.prefixes is not None:
+            self.prefixes.insert(row.tokens[:n], lambda: self.target_cache.row(b, n))
+        drafter = self.batch_drafter
+        if drafter is not None and drafter.prefixes is not None:
+            seen = min(row.seen, n)
+            drafter.prefixes.insert(row.tokens[:seen], lambda: drafter.cache.row(b, seen))
 
 
 def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> float:

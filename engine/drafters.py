@@ -87,6 +87,10 @@ class ModelDrafter:
             step = torch.tensor([[token]], device=device)
         return draft, (torch.stack(dists) if dists else None)
 
+    def keep(self, tokens: list[int]) -> None:
+        """Keep the positions of `tokens` this drafter's cache holds for later prompts (engine/prefix.py)."""
+        self.runner.keep(tokens[:self._seen])
+
     def rollback(self, valid_length: int) -> None:
         if valid_length < self._seen:
             self.runner.truncate(valid_length)

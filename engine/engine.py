@@ -535,6 +535,10 @@ class SpeculativeEngine:
                 now = self._streamed(m, now)
                 done = done or result.stream_error is not None
 
+        if not paused:  # a chat's next turn starts with this prompt and output
+            self.runner.keep(tokens[:-1])
+            if (model := model_drafter_of(drafter)) is not None:
+                model.keep(tokens[:-1])
         m.trim_positions()
         result.tokens = tokens[m.prompt_tokens :]
         result.logprobs = None if logprobs is None else logprobs[: len(result.tokens)]  # a stop cut the tokens

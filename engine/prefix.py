@@ -3,8 +3,9 @@
 Requests often start alike: a system prompt, few-shot examples, a document asked several
 questions, a chat's earlier turns. A position's keys and values depend only on the tokens up to
 it, so a model that kept them from an earlier request prefills only what follows. Each model
-(the target, each model drafter) keeps its own `PrefixCache` of whole prompts' keys and values,
-the least recently used evicted beyond `capacity` tokens; a lookup takes the longest prefix any
+(the target, each model drafter) keeps its own `PrefixCache` of whole prompts' keys and values
+(and of a finished request's prompt and output: a chat's next turn starts with both), the least
+recently used evicted beyond `capacity` tokens; a lookup takes the longest prefix any
 kept prompt shares with the new one, whatever the kept prompt went on with (a radix tree's
 answer, found by comparing the few kept prompts that start alike).
 

@@ -181,8 +181,15 @@ class ModelRunner:
             out = self.model(prompt[None, self.reused:], **{self._cache_arg: self._cache}, use_cache=True,
                              logits_to_keep=logits_to_keep, cache_position=positions, position_ids=positions[None])
         if keeps:
-            self.prefixes.insert(tokens, lambda: self.cached(prompt.numel()))
+            self.keep(tokens)
         return out.logits[0]
+
+    def keep(self, tokens: list[int]) -> None:
+        """Keep the cache's first len(tokens) positions, `tokens`' keys and values, for later
+        prompts that start with them (engine/prefix.py): a prompt as it is prefilled, a prompt
+        and its output when the request is done (a chat's next turn starts with both)."""
+        if self.prefixes is not None and not self.recurrent and self._cache is not None:
+            self.prefixes.insert(tokens, lambda: self.cached(len(tokens)))
 
     @torch.inference_mode()
     def _check_steps(self) -> None:

@@ -128,3 +128,28 @@ def test_rows_starting_alike_beyond_a_kept_prompt_feed_the_rest_of_their_start_o
     out = engine.generate_batch(rows, "small:3", 12)
     assert [r.metrics.cached_prompt_tokens for r in out] == [60, 60, 60]
     assert [r.tokens for r in out] == [hf_greedy(target, p, 12) for p in rows]
+
+
+@pytest.mark.parametrize("arm", ["off", "small:3", "hybrid:3"])
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in a batch"])
+def test_a_chats_next_turn_reuses_the_last_turns_prompt_and_output(engine, target, draft_model, arm, batched):
+    """A request keeps its prompt and output when done (target and drafter), so the next turn,
+    which starts with both, prefills only its new message; the drafter drafts exactly as from a
+    whole prefill (the same drafts kept as an engine keeping nothing)."""
+    plain = SpeculativeEngine(target, {"small": draft_model, "hybrid": HybridDrafter(draft_model)})
+    other = shared_start(1, seed=12)[0]
+
+    def serve(e, prompt):
+        return e.generate_batch([other, prompt], arm, 10)[1] if batched else e.generate(prompt, arm, 10)
+
+    turn, kept = shared_start(1, start=20)[0], 0
+    for _ in range(3):
+        out, alone = serve(engine, turn), serve(plain, turn)
+        assert out.metrics.cached_prompt_tokens == kept
+        assert out.tokens == alone.tokens == hf_greedy(target, turn, 10)
+        assert out.metrics.accepted == alone.metrics.accepted
+        kept = len(turn) + len(out.tokens) - 1  # all but the last output token was fed
+        turn = turn + out.tokens + [5, 6, 7]
+        for prefixes in {id(r.prefixes): r.prefixes for r in (engine.runner, engine.drafters["small"].runner)}.values():
+            n, kv = prefixes.lookup(turn)  # every kept prompt holds as many positions as it has tokens
+            assert n == 0 or kv[0][0].shape[-2] == n

@@ -299,10 +299,12 @@ def test_bench_prefix_serves_alike_from_kept_prefixes_or_whole_prompts(target, d
 
     engine = SpeculativeEngine(target, {"small": draft_model}, prefix_cache_tokens=512)
     result = bench_prefix(engine, classes["rep"], [Arm(), Arm("small", 3)], context_tokens=40, requests=4, batch=2)
-    assert result["identical_outputs"] is True and result["prompt_tokens"] == 60
-    # each case starts cold: the first request (or batch of 2) prefills whole, the rest reuse the 40-token
-    # context: 3 x 40 or 2 x 40 of 4 x 60 prompt tokens
-    assert {case: c["cached_prompt_share"] for case, c in result["cases"].items()} == {
-        "off alone": 0.5, "off batches of 2": 0.333, "small:3 alone": 0.5, "small:3 batches of 2": 0.333}
+    assert result["identical_outputs"] is True
+    share = {case: (c["prompt_tokens"], c["cached_prompt_share"]) for case, c in result["cases"].items()}
+    # each case starts cold. Shared context: the first request (or batch of 2) prefills whole, the rest
+    # reuse the 40-token context, 3 x 40 or 2 x 40 of 4 x 60 prompt tokens. A chat of 4 turns (prompts of
+    # 20, 50, 80, 110 tokens: 20 more and the 10 output tokens each turn) reuses 0, 29, 59, 89 tokens.
+    assert share == {f"{arm} {case}": value for arm in ("off", "small:3") for case, value in [
+        ("alone", (60, 0.5)), ("batches of 2", (120, 0.333)), ("chats of 4 turns", (65, 0.681))]}
     with pytest.raises(ValueError, match="keeps prefixes"):
         bench_prefix(SpeculativeEngine(target), classes["rep"], [Arm()], 40, 2, 2)

@@ -276,48 +276,84 @@ def _no_kept_prefixes(engine: SpeculativeEngine):
             r.prefixes = prefixes
 
 
+class _Ways:
+    """Per way (kept prefixes or none), the seconds, prefill seconds, new and reused tokens of the
+    requests served, and whether every request's output was the same both ways."""
+
+    def __init__(self, engine: SpeculativeEngine) -> None:
+        self.engine = engine
+        self.ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+        self.seconds, self.prefill, self.tokens, self.cached = (dict.fromkeys(self.ways, 0.0) for _ in range(4))
+        self.served, self.prompt_tokens, self.identical = 0, 0, True
+        for runner in _runners(engine):  # each case starts cold
+            runner.prefixes.clear()
+
+    def serve(self, i: int, prompts: dict[str, list[list[int]]], arm: Arm, max_new_tokens: int) -> dict:
+        """One request each way (one at a time) or one batch (several prompts), the i-th way first;
+        each way's results. `prompts`: each way's, the same unless outputs differed (chats)."""
+        results = {}
+        for way in rotate(list(self.ways), i):
+            with self.ways[way]():
+                began = time.perf_counter()
+                if len(prompts[way]) == 1:
+                    served = [self.engine.generate(prompts[way][0], arm, max_new_tokens)]
+                    self.prefill[way] += served[0].metrics.prefill_s
+                else:
+                    batch = self.engine.generate_batch(prompts[way], arm, max_new_tokens)
+                    served = list(batch)
+                    self.prefill[way] += batch.metrics.prefill_s
+                self.seconds[way] += time.perf_counter() - began
+            self.tokens[way] += sum(r.metrics.new_tokens for r in served)
+            self.cached[way] += sum(r.metrics.cached_prompt_tokens for r in served)
+            results[way] = served
+        self.identical &= [r.tokens for r in results["kept"]] == [r.tokens for r in results["none"]]
+        self.served += 1
+        self.prompt_tokens += sum(map(len, prompts["kept"]))
+        return results
+
+    def summary(self, per: str) -> dict:
+        tps = {w: self.tokens[w] / self.seconds[w] for w in self.ways}
+        return {"tokens_per_s": {w: round(v, 1) for w, v in tps.items()},
+                f"prefill_s_per_{per}": {w: round(self.prefill[w] / self.served, 4) for w in self.ways},
+                "prompt_tokens": round(self.prompt_tokens / self.served, 1),
+                "cached_prompt_share": round(self.cached["kept"] / self.prompt_tokens, 3),
+                "kept_vs_none": round(tps["kept"] / tps["none"], 3)}
+
+
 def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], context_tokens: int,
-                 requests: int, batch: int) -> dict:
-    """Requests of one `context_tokens`-token context (the class's prompts joined, a document or
-    few-shot prompt's shape) each followed by one of the class's prompts, greedy; per arm, served
-    one at a time and in batches of `batch`, with the engine's prefix caches (built with it) and
-    with none, taking turns; the outputs must be identical."""
+                 requests: int, batch: int, turns: int = 4) -> dict:
+    """Per arm, greedy, with the engine's prefix caches (built with it) and with none, taking
+    turns; the outputs must be identical. Three cases, each starting with nothing kept:
+    - `requests` requests of one `context_tokens`-token context (the class's prompts joined, a
+      document or few-shot prompt's shape), each followed by one of the class's prompts, served
+      one at a time and in batches of `batch`;
+    - chats of `turns` turns, one at a time: a turn's prompt is the last turn's prompt and output
+      followed by the next of the class's prompts (as the user's next message)."""
     if engine.runner.prefixes is None:
         raise ValueError("bench prefix needs an engine that keeps prefixes (prefix_cache_tokens)")
     context = long_prompts(engine, cls, context_tokens, 1)[0]
-    prompts = [context + engine.encode(cls.prompts[i % len(cls.prompts)], add_special_tokens=False).tolist()
-               for i in range(requests)]
-    ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+    messages = [engine.encode(p, add_special_tokens=False).tolist() for p in cls.prompts]
+    prompts = [context + messages[i % len(messages)] for i in range(requests)]
     out, identical = {}, True
     for arm in arms:
         for mode, size in (("alone", 1), (f"batches of {batch}", batch)):
-            for runner in _runners(engine):  # each case starts cold: only the context is shared
-                runner.prefixes.clear()
-            seconds, prefill, tokens, cached = (dict.fromkeys(ways, 0.0) for _ in range(4))
-            groups = [prompts[start:start + size] for start in range(0, requests, size)]
-            for i, group in enumerate(groups):
-                outputs = []
-                for way in rotate(list(ways), i):
-                    with ways[way]():
-                        began = time.perf_counter()
-                        if size == 1:
-                            served = [engine.generate(group[0], arm, cls.max_new_tokens)]
-                            prefill[way] += served[0].metrics.prefill_s
-                        else:
-                            result = engine.generate_batch(group, arm, cls.max_new_tokens)
-                            served = list(result)
-                            prefill[way] += result.metrics.prefill_s
-                        seconds[way] += time.perf_counter() - began
-                    tokens[way] += sum(r.metrics.new_tokens for r in served)
-                    cached[way] += sum(r.metrics.cached_prompt_tokens for r in served)
-                    outputs.append([r.tokens for r in served])
-                identical &= outputs[0] == outputs[1]
-            out[f"{arm} {mode}"] = {
-                "tokens_per_s": {w: round(tokens[w] / seconds[w], 1) for w in ways},
-                f"prefill_s_per_{'request' if size == 1 else 'batch'}": {w: round(prefill[w] / len(groups), 4)
-                                                                        for w in ways},
-                "cached_prompt_share": round(cached["kept"] / sum(map(len, prompts)), 3),
-                "kept_vs_none": round(tokens["kept"] / seconds["kept"] / (tokens["none"] / seconds["none"]), 3)}
+            ways = _Ways(engine)
+            for i, start in enumerate(range(0, requests, size)):
+                group = prompts[start:start + size]
+                ways.serve(i, {"kept": group, "none": group}, arm, cls.max_new_tokens)
+            out[f"{arm} {mode}"] = ways.summary("request" if size == 1 else "batch")
+            identical &= ways.identical
+        ways = _Ways(engine)
+        for chat in range(requests // turns):
+            prompt = {way: [] for way in ways.ways}
+            for turn in range(turns):
+                message = messages[(chat * turns + turn) % len(messages)]
+                if len(prompt["kept"]) + len(message) + cls.max_new_tokens > (engine.max_length or 1 << 30):
+                    break  # the chat outgrew the context
+                served = ways.serve(chat * turns + turn, {w: [p + message] for w, p in prompt.items()}, arm,
+                                    cls.max_new_tokens)
+                prompt = {w: p + message + served[w][0].tokens for w, p in prompt.items()}
+        out[f"{arm} chats of {turns} turns"] = ways.summary("request")
+        identical &= ways.identical
     return {"device": device_name(engine), "class": cls.name, "context_tokens": context_tokens,
-            "prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1), "requests": requests,
-            "max_new_tokens": cls.max_new_tokens, "identical_outputs": identical, "cases": out}
+            "requests": requests, "max_new_tokens": cls.max_new_tokens, "identical_outputs": identical, "cases": out}
