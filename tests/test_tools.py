@@ -305,6 +305,7 @@ def test_bench_prefix_serves_alike_from_kept_prefixes_or_whole_prompts(target, d
     # reuse the 40-token context, 3 x 40 or 2 x 40 of 4 x 60 prompt tokens. A chat of 4 turns (prompts of
     # 20, 50, 80, 110 tokens: 20 more and the 10 output tokens each turn) reuses 0, 29, 59, 89 tokens.
     assert share == {f"{arm} {case}": value for arm in ("off", "small:3") for case, value in [
-        ("alone", (60, 0.5)), ("batches of 2", (120, 0.333)), ("chats of 4 turns", (65, 0.681))]}
+        ("alone", (60, 0.5)), ("batches of 2", (120, 0.333)), ("unrelated prompts alone", (20, 0.0)),
+        ("unrelated prompts in batches of 2", (40, 0.0)), ("chats of 4 turns", (65, 0.681))]}
     with pytest.raises(ValueError, match="keeps prefixes"):
         bench_prefix(SpeculativeEngine(target), classes["rep"], [Arm()], 40, 2, 2)

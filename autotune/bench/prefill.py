@@ -323,20 +323,25 @@ class _Ways:
 def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], context_tokens: int,
                  requests: int, batch: int, turns: int = 4) -> dict:
     """Per arm, greedy, with the engine's prefix caches (built with it) and with none, taking
-    turns; the outputs must be identical. Three cases, each starting with nothing kept:
+    turns; the outputs must be identical. Cases, each starting with nothing kept:
     - `requests` requests of one `context_tokens`-token context (the class's prompts joined, a
       document or few-shot prompt's shape), each followed by one of the class's prompts, served
       one at a time and in batches of `batch`;
+    - the class's prompts alone, served the same two ways: what keeping prompts costs where
+      nothing is shared (a copy of each prompt, and of its output when done);
     - chats of `turns` turns, one at a time: a turn's prompt is the last turn's prompt and output
       followed by the next of the class's prompts (as the user's next message)."""
     if engine.runner.prefixes is None:
         raise ValueError("bench prefix needs an engine that keeps prefixes (prefix_cache_tokens)")
     context = long_prompts(engine, cls, context_tokens, 1)[0]
     messages = [engine.encode(p, add_special_tokens=False).tolist() for p in cls.prompts]
-    prompts = [context + messages[i % len(messages)] for i in range(requests)]
+    shared = [context + messages[i % len(messages)] for i in range(requests)]
+    unrelated = [engine.encode(cls.prompts[i % len(cls.prompts)]).tolist() for i in range(requests)]
     out, identical = {}, True
     for arm in arms:
-        for mode, size in (("alone", 1), (f"batches of {batch}", batch)):
+        for prompts, mode, size in ((shared, "alone", 1), (shared, f"batches of {batch}", batch),
+                                    (unrelated, "unrelated prompts alone", 1),
+                                    (unrelated, f"unrelated prompts in batches of {batch}", batch)):
             ways = _Ways(engine)
             for i, start in enumerate(range(0, requests, size)):
                 group = prompts[start:start + size]
