@@ -94,8 +94,8 @@ class PrefixCache:
 
     def insert(self, prompt: list[int], kv: Callable[[], KV]) -> None:
         """Keep `prompt`'s keys and values, `kv()` (called only if they are not held already: a
-        kept prompt that `prompt` starts is freshened instead). Kept prompts that `prompt` extends
-        are dropped: it holds all they could give."""
+        kept prompt that `prompt` starts is freshened instead; out of memory for the copy, nothing
+        is kept). Kept prompts that `prompt` extends are dropped: it holds all they could give."""
         key = tuple(prompt)
         if len(key) < MIN_REUSE or len(key) > self.capacity:
             return
@@ -104,9 +104,13 @@ class PrefixCache:
             if len(kept) >= len(key) and kept[:len(key)] == key:
                 self._kept.move_to_end(kept)
                 return
+        try:
+            value = kv()
+        except (torch.OutOfMemoryError, MemoryError):  # keeping only saves work: no request fails for it
+            return
         for kept in [k for k in bucket if k == key[:len(k)]]:
             self._drop(kept)
-        self._kept[key] = kv()
+        self._kept[key] = value
         self._by_start.setdefault(key[:MIN_REUSE], set()).add(key)
         self.tokens += len(key)
         while self.tokens > self.capacity:

@@ -38,6 +38,24 @@ def test_a_prefix_cache_gives_the_longest_shared_prefix_and_drops_the_least_rece
         PrefixCache(capacity=MIN_REUSE - 1)
 
 
+def test_a_request_is_served_when_its_prompt_cannot_be_kept_for_want_of_memory(engine, target, monkeypatch):
+    """Keeping only saves work: out of memory for the copy, the request is served and nothing is
+    kept (what was kept stays)."""
+    first, second = shared_start(2)
+    engine.generate(first, "small:3", 4)
+
+    def no_memory(self, length):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr("engine.runner.ModelRunner.cached", no_memory)
+    monkeypatch.setattr("engine.batch.BatchCache.row", lambda self, b, length=None: no_memory(self, length))
+    out = engine.generate(second, "small:3", 12)
+    assert out.tokens == hf_greedy(target, second, 12) and out.metrics.cached_prompt_tokens == 40
+    batch = engine.generate_batch([second + [1], second + [2]], "small:3", 6)
+    assert [r.metrics.cached_prompt_tokens for r in batch] == [40, 40]  # the first prompt is still kept
+    assert len(engine.runner.prefixes) == 1
+
+
 @pytest.fixture
 def engine(target, draft_model):
     """A fresh engine keeping prefixes (its caches start empty), with a model drafter and a
