@@ -185,16 +185,20 @@ def test_a_recurrent_model_rolls_its_states_back_and_stays_lossless(recurrent):
     so no crop can take rejected drafts back out of it (transformers' crop refuses, and the
     request failed): the engine restores the states from before the round and feeds the kept
     tokens again. Drafters: a Llama, a model of the target's kind (rolled back the same way),
-    n-gram lookup, and lookup with that model elsewhere (its catch-up steps feed several tokens)."""
+    n-gram lookup, and lookup with that model elsewhere (its catch-up steps feed several tokens).
+    Kept prefixes give no states: such a model keeps none (the Llama drafter does)."""
     target, drafter, expected = recurrent
     engine = SpeculativeEngine(target, {"llama": tiny_llama(1, layers=1), "own": drafter,
-                                        "ngram": NGramDrafter(), "lookup+model": HybridDrafter(drafter)})
+                                        "ngram": NGramDrafter(), "lookup+model": HybridDrafter(drafter)},
+                               prefix_cache_tokens=256)
     for arm in ("off", "llama:3", "own:4", "ngram:4", "lookup+model:3"):
         results = [engine.generate(p, arm, NEW) for p in PROMPTS]
         assert [r.tokens for r in results] == expected, arm
         assert not any(r.fell_back for r in results), arm
         if arm != "off":  # rejected drafts were rolled back, kept ones kept
             assert 0 < sum(r.metrics.accepted for r in results) < sum(r.metrics.drafted for r in results), arm
+    assert not any(r.metrics.cached_prompt_tokens for r in results) and len(engine.runner.prefixes) == 0
+    assert len(engine.drafters["llama"].runner.prefixes) == len(PROMPTS)  # each prompt with its output
 
 
 def test_a_recurrent_model_is_refused_by_name_where_its_states_cannot_be_rolled_back():
@@ -235,15 +239,18 @@ ALIBI = {  # name: layers -> config
 def test_alibi_models_decode_one_request_at_a_time_on_the_dynamic_cache_only(kind):
     """MPT and Falcon (with `alibi`) bias attention by ALiBi, which transformers works out from
     cache slots or a 2-D mask: alone on the dynamic cache (slots are positions) they are
-    lossless; in a batch the holes shifted MPT's and it decoded other tokens, and a static
-    cache's length threw Falcon's off (the request failed)."""
+    lossless, also from kept prefixes (their slots are still positions); in a batch the holes
+    shifted MPT's and it decoded other tokens, and a static cache's length threw Falcon's off
+    (the request failed)."""
     target = build(ALIBI[kind](2), 0)
-    engine = SpeculativeEngine(target, {"small": build(ALIBI[kind](1), 1), "ngram": NGramDrafter()})
+    engine = SpeculativeEngine(target, {"small": build(ALIBI[kind](1), 1), "ngram": NGramDrafter()},
+                               prefix_cache_tokens=256)
     expected = [hf_greedy(target, p, NEW) for p in PROMPTS]
-    for arm in ("off", "small:3", "ngram:4"):
+    for arm in ("off", "small:3", "ngram:4"):  # from the second arm on, every prompt but PROMPTS[1] is kept
         results = [engine.generate(p, arm, NEW) for p in PROMPTS]
         assert [r.tokens for r in results] == expected, arm
         assert not any(r.fell_back for r in results), arm
+    assert [r.metrics.cached_prompt_tokens for r in results] == [len(PROMPTS[0]) - 1, 0, len(PROMPTS[2]) - 1]
     name = type(target).__name__
     with pytest.raises(InvalidRequestError, match=f"{name} biases attention by ALiBi"):
         engine.generate_batch(PROMPTS[:2], "off", max_new_tokens=4)
