@@ -242,10 +242,13 @@ def cmd_bench(args) -> None:
     elif args.what == "prefix":
         cls = _classes(args)["code" if not args.classes else args.classes.split(",")[0]]
         arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
-        result = bench.bench_prefix(engine, cls, arms, 200 if args.quick else args.context_tokens,
-                                    4 if args.quick else args.requests or 24, 2 if args.quick else 8)
+        context = 200 if args.quick else args.context_tokens
+        result = bench.bench_prefix(engine, cls, arms, context, 4 if args.quick else args.requests or 24,
+                                    2 if args.quick else 8)
+        result["clients"] = bench.bench_prefix_clients(engine, _classes(args), context,
+                                                       *((4, 2, 1) if args.quick else (args.clients, 4, 2)))
         print(json.dumps(result, indent=2))
-        if not result["identical_outputs"]:
+        if not (result["identical_outputs"] and result["clients"]["identical_greedy_outputs"]):
             raise CheckFailed("outputs differ between prompts prefilled whole and from kept prefixes")
     elif args.what in ("concurrency", "serve"):
         clients, per_client = (8, 2) if args.quick else (args.clients, 4)
@@ -399,7 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench controller: share of arrivals that are a burst served as one batch")
     p.add_argument("--burst-size", type=int, default=16, help="bench controller: requests per burst")
     p.add_argument("--clients", type=int, default=16,
-                   help="bench concurrency, serve: client threads, each sending 4 requests one after another")
+                   help="bench concurrency, serve, prefix: client threads, each sending 4 requests one after another")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--n", type=int, default=8, help="bench choices: choices per request")

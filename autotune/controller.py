@@ -361,9 +361,11 @@ class AutotuneController:
             arm = self.policy.choose(context)
             if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
                 arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
+            self._check_arm(arm)
+            if not all(self._drafter_has_room(arm, i, limit, len(ids) > 1) for i, limit in zip(ids, limits)):
+                arm = OFF  # speculation must never lose a request: OFF serves any request the target takes
             schedule = self.policy.schedule(context, arm) if len(ids) == 1 else None
         decision_s = time.perf_counter() - started
-        self._check_arm(arm)
         with self._engine_lock, self.gpu.measure() as gpu:
             engine_started = time.perf_counter()
             if len(ids) == 1:
@@ -578,6 +580,22 @@ class AutotuneController:
     @staticmethod
     def _key(classes: list[str]) -> str:
         return classes[0] if len(set(classes)) == 1 else MIXED_CLASS
+
+    def _drafter_has_room(self, arm: Arm, ids: list[int], limit: int, batched: bool) -> bool:
+        """Whether `arm` can serve this request, alone or `batched`: a drafter's context may be
+        shorter than the target's, or too short for K drafts past the request's last token. Not
+        for a request the target refuses: that one is refused whatever the arm, when served."""
+        if arm.is_off:
+            return True
+        try:
+            self.engine.check_request(len(ids), OFF, limit)
+        except InvalidRequestError:
+            return True  # the target's refusal, raised when it is served
+        try:
+            (self.engine.check_batch_request if batched else self.engine.check_request)(len(ids), arm, limit)
+        except InvalidRequestError:
+            return False
+        return True
 
     def _fits(self, arm: Arm, item) -> bool:
         """Whether a waiting request can join a batch on `arm` (a drafter's context may be shorter)."""

@@ -402,14 +402,21 @@ def test_a_request_decoding_alone_pauses_for_one_that_arrives_and_both_finish_in
         assert set(learned) == {"code@load1", "chat@load1"}
 
 
-def test_a_batch_its_arm_cannot_serve_is_served_request_by_request(engine, target):
+def test_a_request_its_arm_has_no_room_for_is_served_off(engine, target):
+    """The target takes the request but the chosen arm's drafter has no room for its K drafts
+    (a drafter's context may be shorter than the target's): OFF serves it, alone or in a batch,
+    where it used to fail with the drafter's refusal."""
     near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
+    alone = ctl.generate(near_limit, "code", 4)
+    assert alone.arm == OFF and alone.tokens == hf_greedy(target, near_limit, 4)
     prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
     outcomes = ctl._serve_coalesced(None, Batch.of([(p, "code", False, 4, SamplingParams(), None, 0.0)
                                                     for p in prompts]))
-    assert "drafter 'small''s context" in str(outcomes[1])
-    assert [outcomes[0].tokens, outcomes[2].tokens] == [hf_greedy(target, p, 4) for p in PROMPTS[:2]]
+    assert [o.tokens for o in outcomes] == [hf_greedy(target, p, 4) for p in prompts]
+    assert ctl.generate(PROMPTS[0], "code", 4).arm == Arm("small", 3)  # the others still speculate
+    with pytest.raises(InvalidRequestError, match="exceeds the target's context"):
+        ctl.generate(near_limit, "code", 8)  # 250 + 8 > 256: the target's own limit still refuses
 
 
 def test_unlabelled_requests_are_classified_from_history(engine, tmp_path):

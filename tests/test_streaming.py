@@ -113,14 +113,14 @@ def test_a_streamer_that_takes_logprobs_gets_each_rounds_entries_just_before_its
 
 def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_stream(engine, target):
     ctl = AutotuneController(engine, policy="static", arms=[OFF], arm="small:3", max_batch=4)
-    near_limit = list(range(50)) * 5  # 250 + 4 new tokens fit the context; + K=3 drafts do not
-    batch = [prompts(3)[0], near_limit, prompts(3)[1]]
+    too_long = list(range(60)) * 5  # 300 tokens: more than the target's context of 256
+    batch = [prompts(3)[0], too_long, prompts(3)[1]]
     streamers = [Recorder() for _ in batch]
-    # The batch is refused before decoding (one row over the drafter's context), then each is
+    # The batch is refused before decoding (one row over the target's context), then each is
     # served alone: the others stream their output once, the refused one streams nothing.
     outcomes = ctl._serve_coalesced(None, Batch.of([(p, "code", False, 4, SamplingParams(), s, 0.0)
                                                     for p, s in zip(batch, streamers)]))
-    assert "drafter 'small''s context" in str(outcomes[1]) and streamers[1].puts == []
+    assert "exceeds the target's context" in str(outcomes[1]) and streamers[1].puts == []
     for i in (0, 2):
         assert streamers[i].output == outcomes[i].tokens == hf_greedy(target, batch[i], 4)
 

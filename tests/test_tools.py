@@ -295,7 +295,7 @@ def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(sm
 
 
 def test_bench_prefix_serves_alike_from_kept_prefixes_or_whole_prompts(target, draft_model, classes):
-    from autotune.bench import bench_prefix
+    from autotune.bench import bench_prefix, bench_prefix_clients
 
     engine = SpeculativeEngine(target, {"small": draft_model}, prefix_cache_tokens=512)
     result = bench_prefix(engine, classes["rep"], [Arm(), Arm("small", 3)], context_tokens=40, requests=4, batch=2)
@@ -309,3 +309,24 @@ def test_bench_prefix_serves_alike_from_kept_prefixes_or_whole_prompts(target, d
         ("unrelated prompts in batches of 2", (40, 0.0)), ("chats of 4 turns", (65, 0.681))]}
     with pytest.raises(ValueError, match="keeps prefixes"):
         bench_prefix(SpeculativeEngine(target), classes["rep"], [Arm()], 40, 2, 2)
+    clients = bench_prefix_clients(engine, classes, context_tokens=40, clients=2, requests_per_client=2, rounds=1)
+    assert clients["identical_greedy_outputs"] is True
+    # prompts of 60 ("rep") and 45 tokens ("mixed"), 2 each, each round starting with nothing kept: the
+    # second requests reuse the 40-token context (80 of 210 tokens), the first ones too if the other
+    # client's was prefilled before they came (at most 160)
+    shares = {config: c["cached_prompt_share"] for config, c in clients["configs"].items()}
+    assert shares["off none"] == shares["ucb none"] == 0
+    assert all(80 / 210 - 0.001 <= shares[f"{p} kept"] <= 160 / 210 + 0.001 for p in ("off", "ucb"))
+
+
+def test_a_benchmark_client_that_fails_fails_the_benchmark():
+    """A client thread that raised used to end quietly, leaving figures over fewer requests."""
+    from autotune.bench.common import run_clients
+
+    def client(c):
+        if c == 1:
+            raise ValueError("prompt too long")
+
+    with pytest.raises(RuntimeError, match="1 of 3 clients failed") as failed:
+        run_clients(client, 3)
+    assert isinstance(failed.value.__cause__, ValueError)

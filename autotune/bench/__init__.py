@@ -15,12 +15,19 @@ from autotune.bench.decisions import bench_decisions
 from autotune.bench.engine_speed import bench_engine
 from autotune.bench.limits import bench_limits, llama_shaped_engine
 from autotune.bench.lossless import bench_lossless
-from autotune.bench.prefill import bench_choices, bench_chunked, bench_chunked_clients, bench_lengths, bench_prefix
+from autotune.bench.prefill import (
+    bench_choices,
+    bench_chunked,
+    bench_chunked_clients,
+    bench_lengths,
+    bench_prefix,
+    bench_prefix_clients,
+)
 from autotune.bench.replay import bench_replay
 from autotune.bench.serving import bench_serve
 from autotune.bench.store_speed import bench_store
 
 __all__ = ["BENCH_KS", "bench_arms", "bench_cache", "bench_choices", "bench_chunked", "bench_chunked_clients",
            "bench_concurrency", "bench_controller", "bench_decisions", "bench_engine", "bench_lengths", "bench_limits",
-           "bench_long_batch", "bench_lossless", "bench_prefix", "bench_replay", "bench_serve", "bench_store",
-           "device_name", "hindsight_arms", "llama_shaped_engine"]
+           "bench_long_batch", "bench_lossless", "bench_prefix", "bench_prefix_clients", "bench_replay", "bench_serve",
+           "bench_store", "device_name", "hindsight_arms", "llama_shaped_engine"]

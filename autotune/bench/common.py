@@ -44,13 +44,25 @@ def client_plan(engine: SpeculativeEngine, classes: dict, clients: int, requests
 
 
 def run_clients(client: Callable[[int], None], clients: int) -> float:
-    """`client(c)` on a thread per client, all at once; the seconds until the last is done."""
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    """`client(c)` on a thread per client, all at once; the seconds until the last is done. A
+    client that raised is raised here, once all are done: a client that stopped early would
+    leave figures that only look measured."""
+    errors: list[BaseException] = []
+
+    def run(c: int) -> None:
+        try:
+            client(c)
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {clients} clients failed") from errors[0]
     return time.perf_counter() - start
 
 

@@ -276,6 +276,15 @@ def _no_kept_prefixes(engine: SpeculativeEngine):
             r.prefixes = prefixes
 
 
+def after(engine: SpeculativeEngine, context: list[int], prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`context` then `prompt`, the prompt's start cut off if that would not leave room for
+    `max_new_tokens` in the target's context (an edit prompt after a 600-token context)."""
+    room = (engine.max_length or 1 << 30) - max_new_tokens - len(context)
+    if room < 1:
+        raise ValueError(f"a {len(context)}-token context leaves no room for a prompt and {max_new_tokens} new tokens")
+    return context + prompt[-room:]
+
+
 class _Ways:
     """Per way (kept prefixes or none), the seconds, prefill seconds, new and reused tokens of the
     requests served, and whether every request's output was the same both ways."""
@@ -335,7 +344,7 @@ def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], 
         raise ValueError("bench prefix needs an engine that keeps prefixes (prefix_cache_tokens)")
     context = long_prompts(engine, cls, context_tokens, 1)[0]
     messages = [engine.encode(p, add_special_tokens=False).tolist() for p in cls.prompts]
-    shared = [context + messages[i % len(messages)] for i in range(requests)]
+    shared = [after(engine, context, messages[i % len(messages)], cls.max_new_tokens) for i in range(requests)]
     unrelated = [engine.encode(cls.prompts[i % len(cls.prompts)]).tolist() for i in range(requests)]
     out, identical = {}, True
     for arm in arms:
@@ -362,3 +371,57 @@ def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], 
         identical &= ways.identical
     return {"device": device_name(engine), "class": cls.name, "context_tokens": context_tokens,
             "requests": requests, "max_new_tokens": cls.max_new_tokens, "identical_outputs": identical, "cases": out}
+
+
+def bench_prefix_clients(engine: SpeculativeEngine, classes: dict[str, RequestClass], context_tokens: int,
+                         clients: int = 16, requests_per_client: int = 4, rounds: int = 2,
+                         policies: tuple[str, ...] = ("off", "ucb")) -> dict:
+    """A server's view: `clients` threads (bench concurrency's plan, every prompt after one
+    `context_tokens`-token context: a system prompt), each sending its requests one after
+    another through a continuous-batching controller per policy, with the engine's prefix caches
+    and with none; configurations take turns round by round, each round starting with nothing
+    kept. Reported: tokens/s, time to first token from the call, the share of prompt tokens
+    reused; greedy outputs must be identical."""
+    if engine.runner.prefixes is None:
+        raise ValueError("bench prefix needs an engine that keeps prefixes (prefix_cache_tokens)")
+    first = next(iter(classes.values()))
+    context = long_prompts(engine, first, context_tokens, 1)[0]
+    plan = [(cls, [after(engine, context, prompt, cls.max_new_tokens) for prompt in prompts])
+            for cls, prompts in client_plan(engine, classes, clients, requests_per_client)]
+    ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+    configs = [(p, way) for p in policies for way in ways]
+    controllers = {config: AutotuneController(engine, policy=config[0], max_batch=clients) for config in configs}
+    stats = {config: {"seconds": 0.0, "tokens": 0, "prompt": 0, "cached": 0, "ttft": []} for config in configs}
+    greedy: dict = {}
+    for r in range(rounds):
+        for config in rotate(configs, r):
+            ctl, s = controllers[config], stats[config]
+            for runner in _runners(engine):
+                runner.prefixes.clear()
+
+            def client(c: int, ctl=ctl, s=s) -> None:
+                cls, prompts = plan[c]
+                for j, prompt in enumerate(prompts):
+                    stream, began = _Stream(), time.perf_counter()
+                    result = ctl.generate(prompt, cls.name, cls.max_new_tokens, cls.temperature, cls.top_p,
+                                          seed=c * requests_per_client + j, streamer=stream)
+                    s["tokens"] += len(result.tokens)
+                    s["prompt"] += len(prompt)
+                    s["cached"] += result.metrics.cached_prompt_tokens
+                    s["ttft"].append(stream.times[0] - began)
+                    if cls.temperature == 0:
+                        greedy.setdefault((c, j), set()).add(tuple(result.tokens))
+
+            with ways[config[1]]():
+                s["seconds"] += run_clients(client, clients)
+    out = {}
+    for (policy, way), s in stats.items():
+        ttft = sorted(s["ttft"])
+        out[f"{policy} {way}"] = {"tokens_per_s": round(s["tokens"] / s["seconds"], 1),
+                                  "ttft_s": {"p50": round(ttft[len(ttft) // 2], 3), "p99": p99(ttft)},
+                                  "cached_prompt_share": round(s["cached"] / s["prompt"], 3)}
+    return {"clients": clients, "requests_per_client": requests_per_client, "rounds": rounds,
+            "context_tokens": context_tokens, "configs": out,
+            "kept_vs_none": {p: round(out[f"{p} kept"]["tokens_per_s"] / out[f"{p} none"]["tokens_per_s"], 3)
+                             for p in policies},
+            "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}
