@@ -38,34 +38,47 @@ def _one_forward():
 
 
 class _Tally:
-    """Per way of prefilling, the seconds, prefill seconds and tokens of the batches served."""
+    """Per way (of prefilling, of keeping prompts), the seconds, prefill seconds, output tokens
+    and prompt tokens reused of the requests or batches served, and whether the outputs were the
+    same every way."""
 
     def __init__(self, ways: dict[str, Callable]) -> None:
         self.ways = ways
-        self.seconds, self.prefill, self.tokens = (dict.fromkeys(ways, 0.0), dict.fromkeys(ways, 0.0),
-                                                   dict.fromkeys(ways, 0))
+        self.seconds, self.prefill, self.tokens, self.cached = (dict.fromkeys(ways, 0.0) for _ in range(4))
+        self.served, self.prompt_tokens, self.identical = 0, 0, True
 
     def serve(self, engine: SpeculativeEngine, i: int, prompts: list[list[int]], arm: Arm, limits,
-              sampling: list[SamplingParams]) -> bool:
-        """One batch served each way, the i-th way first; whether the outputs were identical."""
-        outputs = []
+              sampling: list[SamplingParams] | None = None, alone: bool = False) -> list:
+        """One batch served each way (`alone`: its one prompt through `generate`), the i-th way
+        first; the first way's results."""
+        outputs, first = [], None
         for way in rotate(list(self.ways), i):
             with self.ways[way]():
                 began = time.perf_counter()
-                served = engine.generate_batch(prompts, arm, limits, sampling)
+                if alone:
+                    served = [engine.generate(prompts[0], arm, limits, sampling[0] if sampling else None)]
+                    prefill = served[0].metrics.prefill_s
+                else:
+                    batch = engine.generate_batch(prompts, arm, limits, sampling)
+                    served, prefill = list(batch), batch.metrics.prefill_s
                 self.seconds[way] += time.perf_counter() - began
-            self.prefill[way] += served.metrics.prefill_s
-            self.tokens[way] += served.metrics.new_tokens
+            self.prefill[way] += prefill
+            self.tokens[way] += sum(r.metrics.new_tokens for r in served)
+            self.cached[way] += sum(r.metrics.cached_prompt_tokens for r in served)
             outputs.append([r.tokens for r in served])
-        return all(o == outputs[0] for o in outputs)
+            first = first or served
+        self.identical &= all(o == outputs[0] for o in outputs)
+        self.served += 1
+        self.prompt_tokens += sum(map(len, prompts))
+        return first
 
-    def summary(self, count: int, per: str) -> dict:
-        """Tokens/s and prefill seconds per `per` (of `count`) each way, and the first way's
-        tokens/s over the second's."""
+    def summary(self, per: str) -> dict:
+        """Tokens/s and prefill seconds per `per` (a request or batch served) each way, and the
+        first way's tokens/s over the second's."""
         tps = {w: self.tokens[w] / self.seconds[w] for w in self.ways}
         first, second = self.ways
         return {"tokens_per_s": {w: round(v, 1) for w, v in tps.items()},
-                f"prefill_s_per_{per}": {w: round(self.prefill[w] / count, 4) for w in self.ways},
+                f"prefill_s_per_{per}": {w: round(self.prefill[w] / self.served, 4) for w in self.ways},
                 f"{first}_vs_{second}".replace(" ", "_"): round(tps[first] / tps[second], 3)}
 
 
@@ -96,9 +109,10 @@ def bench_choices(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm],
         for arm in arms:
             tally = _Tally({"shared": contextlib.nullcontext, "every choice": _every_choice})
             for i, prompt in enumerate(prompts):
-                identical &= tally.serve(engine, i, [prompt] * n, arm, cls.max_new_tokens, sampling)
+                tally.serve(engine, i, [prompt] * n, arm, cls.max_new_tokens, sampling)
+            identical &= tally.identical
             out[f"{kind} {arm}"] = {"prompt_tokens": round(sum(map(len, prompts)) / len(prompts), 1),
-                                    **tally.summary(len(prompts), "request")}
+                                    **tally.summary("request")}
     return {"device": device_name(engine), "class": cls.name, "n": n, "requests": requests,
             "max_new_tokens": cls.max_new_tokens, "identical_outputs": identical, "cases": out}
 
@@ -119,8 +133,9 @@ def bench_lengths(engine: SpeculativeEngine, classes: dict[str, RequestClass], a
     for arm in arms:
         tally = _Tally({"grouped": contextlib.nullcontext, "one forward": _one_forward})
         for i, prompts in enumerate(batched):
-            identical &= tally.serve(engine, i, prompts, arm, limits, sampling)
-        out[str(arm)] = {"padded_over_real_tokens": round(padding, 2), **tally.summary(batches, "batch")}
+            tally.serve(engine, i, prompts, arm, limits, sampling)
+        identical &= tally.identical
+        out[str(arm)] = {"padded_over_real_tokens": round(padding, 2), **tally.summary("batch")}
     return {"device": device_name(engine), "classes": names, "batch": size, "batches": batches,
             "identical_outputs": identical, "arms": out}
 
@@ -285,50 +300,6 @@ def after(engine: SpeculativeEngine, context: list[int], prompt: list[int], max_
     return context + prompt[-room:]
 
 
-class _Ways:
-    """Per way (kept prefixes or none), the seconds, prefill seconds, new and reused tokens of the
-    requests served, and whether every request's output was the same both ways."""
-
-    def __init__(self, engine: SpeculativeEngine) -> None:
-        self.engine = engine
-        self.ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
-        self.seconds, self.prefill, self.tokens, self.cached = (dict.fromkeys(self.ways, 0.0) for _ in range(4))
-        self.served, self.prompt_tokens, self.identical = 0, 0, True
-        for runner in _runners(engine):  # each case starts cold
-            runner.prefixes.clear()
-
-    def serve(self, i: int, prompts: dict[str, list[list[int]]], arm: Arm, max_new_tokens: int) -> dict:
-        """One request each way (one at a time) or one batch (several prompts), the i-th way first;
-        each way's results. `prompts`: each way's, the same unless outputs differed (chats)."""
-        results = {}
-        for way in rotate(list(self.ways), i):
-            with self.ways[way]():
-                began = time.perf_counter()
-                if len(prompts[way]) == 1:
-                    served = [self.engine.generate(prompts[way][0], arm, max_new_tokens)]
-                    self.prefill[way] += served[0].metrics.prefill_s
-                else:
-                    batch = self.engine.generate_batch(prompts[way], arm, max_new_tokens)
-                    served = list(batch)
-                    self.prefill[way] += batch.metrics.prefill_s
-                self.seconds[way] += time.perf_counter() - began
-            self.tokens[way] += sum(r.metrics.new_tokens for r in served)
-            self.cached[way] += sum(r.metrics.cached_prompt_tokens for r in served)
-            results[way] = served
-        self.identical &= [r.tokens for r in results["kept"]] == [r.tokens for r in results["none"]]
-        self.served += 1
-        self.prompt_tokens += sum(map(len, prompts["kept"]))
-        return results
-
-    def summary(self, per: str) -> dict:
-        tps = {w: self.tokens[w] / self.seconds[w] for w in self.ways}
-        return {"tokens_per_s": {w: round(v, 1) for w, v in tps.items()},
-                f"prefill_s_per_{per}": {w: round(self.prefill[w] / self.served, 4) for w in self.ways},
-                "prompt_tokens": round(self.prompt_tokens / self.served, 1),
-                "cached_prompt_share": round(self.cached["kept"] / self.prompt_tokens, 3),
-                "kept_vs_none": round(tps["kept"] / tps["none"], 3)}
-
-
 def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], context_tokens: int,
                  requests: int, batch: int, turns: int = 4) -> dict:
     """Per arm, greedy, with the engine's prefix caches (built with it) and with none, taking
@@ -346,29 +317,39 @@ def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], 
     messages = [engine.encode(p, add_special_tokens=False).tolist() for p in cls.prompts]
     shared = [after(engine, context, messages[i % len(messages)], cls.max_new_tokens) for i in range(requests)]
     unrelated = [engine.encode(cls.prompts[i % len(cls.prompts)]).tolist() for i in range(requests)]
+    ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+
+    def case() -> _Tally:
+        for runner in _runners(engine):  # each case starts with nothing kept
+            runner.prefixes.clear()
+        return _Tally(ways)
+
+    def summary(tally: _Tally, per: str) -> dict:
+        return {"prompt_tokens": round(tally.prompt_tokens / tally.served, 1),
+                "cached_prompt_share": round(tally.cached["kept"] / tally.prompt_tokens, 3), **tally.summary(per)}
+
     out, identical = {}, True
     for arm in arms:
         for prompts, mode, size in ((shared, "alone", 1), (shared, f"batches of {batch}", batch),
                                     (unrelated, "unrelated prompts alone", 1),
                                     (unrelated, f"unrelated prompts in batches of {batch}", batch)):
-            ways = _Ways(engine)
+            tally = case()
             for i, start in enumerate(range(0, requests, size)):
-                group = prompts[start:start + size]
-                ways.serve(i, {"kept": group, "none": group}, arm, cls.max_new_tokens)
-            out[f"{arm} {mode}"] = ways.summary("request" if size == 1 else "batch")
-            identical &= ways.identical
-        ways = _Ways(engine)
+                tally.serve(engine, i, prompts[start:start + size], arm, cls.max_new_tokens, alone=size == 1)
+            out[f"{arm} {mode}"] = summary(tally, "request" if size == 1 else "batch")
+            identical &= tally.identical
+        tally = case()
         for chat in range(requests // turns):
-            prompt = {way: [] for way in ways.ways}
+            prompt: list[int] = []
             for turn in range(turns):
                 message = messages[(chat * turns + turn) % len(messages)]
-                if len(prompt["kept"]) + len(message) + cls.max_new_tokens > (engine.max_length or 1 << 30):
+                if len(prompt) + len(message) + cls.max_new_tokens > (engine.max_length or 1 << 30):
                     break  # the chat outgrew the context
-                served = ways.serve(chat * turns + turn, {w: [p + message] for w, p in prompt.items()}, arm,
-                                    cls.max_new_tokens)
-                prompt = {w: p + message + served[w][0].tokens for w, p in prompt.items()}
-        out[f"{arm} chats of {turns} turns"] = ways.summary("request")
-        identical &= ways.identical
+                prompt = prompt + message
+                served = tally.serve(engine, chat * turns + turn, [prompt], arm, cls.max_new_tokens, alone=True)
+                prompt = prompt + served[0].tokens  # the next turn starts with this one's prompt and output
+        out[f"{arm} chats of {turns} turns"] = summary(tally, "request")
+        identical &= tally.identical
     return {"device": device_name(engine), "class": cls.name, "context_tokens": context_tokens,
             "requests": requests, "max_new_tokens": cls.max_new_tokens, "identical_outputs": identical, "cases": out}
 
