@@ -24,7 +24,7 @@ prefill); the tests hold greedy outputs identical to the target's own.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, head
 MIN_REUSE = 16
 
 
-def shared_length(a: tuple[int, ...], b: tuple[int, ...], most: int) -> int:
+def shared_length(a: Sequence[int], b: Sequence[int], most: int) -> int:
     """How many leading tokens `a` and `b` share, at most `most`."""
     n = min(len(a), len(b), most)
     for i in range(n):
@@ -49,7 +49,7 @@ def shared_starts(seqs: list[list[int]], rows: list[int]) -> list[tuple[list[int
     order = sorted(rows, key=lambda i: seqs[i])  # lexicographic: a cluster's rows are neighbours
     out, cluster, length = [], order[:1], 0
     for before, i in zip(order, order[1:]):
-        n = shared_length(tuple(seqs[before]), tuple(seqs[i]), min(len(seqs[before]), len(seqs[i])) - 1)
+        n = shared_length(seqs[before], seqs[i], min(len(seqs[before]), len(seqs[i])) - 1)
         if n >= MIN_REUSE:
             cluster.append(i)
             length = min(length, n) if len(cluster) > 2 else n

@@ -291,6 +291,11 @@ def _no_kept_prefixes(engine: SpeculativeEngine):
             r.prefixes = prefixes
 
 
+def _keeping_or_not(engine: SpeculativeEngine) -> dict[str, Callable]:
+    """The two ways bench prefix compares: the engine's models keeping prompts, and keeping none."""
+    return {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+
+
 def after(engine: SpeculativeEngine, context: list[int], prompt: list[int], max_new_tokens: int) -> list[int]:
     """`context` then `prompt`, the prompt's start cut off if that would not leave room for
     `max_new_tokens` in the target's context (an edit prompt after a 600-token context)."""
@@ -317,7 +322,7 @@ def bench_prefix(engine: SpeculativeEngine, cls: RequestClass, arms: list[Arm], 
     messages = [engine.encode(p, add_special_tokens=False).tolist() for p in cls.prompts]
     shared = [after(engine, context, messages[i % len(messages)], cls.max_new_tokens) for i in range(requests)]
     unrelated = [engine.encode(cls.prompts[i % len(cls.prompts)]).tolist() for i in range(requests)]
-    ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+    ways = _keeping_or_not(engine)
 
     def case() -> _Tally:
         for runner in _runners(engine):  # each case starts with nothing kept
@@ -369,7 +374,7 @@ def bench_prefix_clients(engine: SpeculativeEngine, classes: dict[str, RequestCl
     context = long_prompts(engine, first, context_tokens, 1)[0]
     plan = [(cls, [after(engine, context, prompt, cls.max_new_tokens) for prompt in prompts])
             for cls, prompts in client_plan(engine, classes, clients, requests_per_client)]
-    ways = {"kept": contextlib.nullcontext, "none": functools.partial(_no_kept_prefixes, engine)}
+    ways = _keeping_or_not(engine)
     configs = [(p, way) for p in policies for way in ways]
     controllers = {config: AutotuneController(engine, policy=config[0], max_batch=clients) for config in configs}
     stats = {config: {"seconds": 0.0, "tokens": 0, "prompt": 0, "cached": 0, "ttft": []} for config in configs}
