@@ -19,6 +19,8 @@ import hmac
 import json
 import queue
 import re
+import select
+import socket
 import threading
 import time
 import uuid
@@ -47,6 +49,7 @@ from autotune.prometheus import ServedCounters
 from engine import OFF, InvalidRequestError, SamplingParams
 
 MAX_BODY_BYTES = 32 << 20  # a body is read whole before it is checked
+CLIENT_POLL_S = 0.05  # how often a handler waiting on the controller looks whether its client hung up
 _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whitespace, a half character
 
 
@@ -99,14 +102,36 @@ class CompletionServer(ThreadingHTTPServer):
         return result
 
 
-class TokenEvents:
+class ClientWatch:
+    """The streamer of a choice whose client waits for the whole response: it shows nothing,
+    and raises once `gone` is set (the client hung up), which stops its request at its next
+    round, as vLLM aborts the requests of a client that disconnects. Showing nothing, a request
+    it watches can still be served again alone if its batch fails (`EndsOnce.started`)."""
+
+    shows_output = False
+
+    def __init__(self, gone: threading.Event) -> None:
+        self.gone = gone
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.gone.is_set():
+            raise ConnectionResetError("the client went away")
+
+    def end(self) -> None:
+        pass
+
+
+class TokenEvents(ClientWatch):
     """A streamer (engine/streaming.py) that hands a choice's committed tokens, and their
     log-probabilities if it asked for them, to the thread answering its client, which turns
     them into text (`TextDeltas`): the engine's thread, which decodes for the whole batch, only
     queues them. It raises once `gone` is set (the client went away), which stops its request."""
 
+    shows_output = True
+
     def __init__(self, index: int, events: queue.Queue, gone: threading.Event) -> None:
-        self.index, self.events, self.gone = index, events, gone
+        super().__init__(gone)
+        self.index, self.events = index, events
         self.prompt_seen = False
         self.entries: list[dict[int, float]] = []  # those of the tokens the next put brings
 
@@ -114,16 +139,12 @@ class TokenEvents:
         self.entries = entries
 
     def put(self, value: torch.Tensor) -> None:
-        if self.gone.is_set():
-            raise ConnectionResetError("the client went away")
+        super().put(value)
         if not self.prompt_seen:  # the first put is the prompt (transformers' streamer protocol)
             self.prompt_seen = True
             return
         self.events.put(("tokens", self.index, (value.reshape(-1).tolist(), self.entries)))
         self.entries = []
-
-    def end(self) -> None:
-        pass
 
 
 class TextDeltas:
@@ -234,8 +255,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.request_id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         if request.stream:
             return self._stream(request, ids)
+        gone = threading.Event()
         try:
-            results = self._serve_all(request, ids)
+            results = self._serve_all(request, ids, gone)
+            if gone.is_set():  # no one to answer; its requests stopped at their next round
+                return
             choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
                        for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
         except InvalidRequestError as exc:
@@ -304,28 +328,39 @@ class _Handler(BaseHTTPRequestHandler):
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
 
-    def _serve_all(self, request: ApiRequest, ids: list[list[int]]) -> list[ControlledResult]:
-        """Every choice, each a request to the controller on a thread of its own."""
+    def _serve_all(self, request: ApiRequest, ids: list[list[int]], gone: threading.Event) -> list[ControlledResult]:
+        """Every choice, each a request to the controller on a thread of its own, while this
+        thread watches the client: `gone` is set, and the requests stop, if it hangs up."""
         rows = request.choices()
         results: list = [None] * len(rows)
 
         def serve(i: int) -> None:
             try:
-                results[i] = self.server.serve(request, ids[i // request.n], rows[i][1])
+                results[i] = self.server.serve(request, ids[i // request.n], rows[i][1], ClientWatch(gone))
             except Exception as exc:
                 results[i] = exc
 
-        if len(rows) == 1:
-            serve(0)
-        else:
-            threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(len(rows))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+        threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(len(rows))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(CLIENT_POLL_S)
+            while thread.is_alive():
+                if self._client_gone():
+                    gone.set()
+                thread.join(CLIENT_POLL_S)
         if failed := next((r for r in results if isinstance(r, Exception)), None):
             raise failed
         return results
+
+    def _client_gone(self) -> bool:
+        """Whether the client has closed its end of the connection (a read finds its end, not a
+        next request); an HTTP client that waits for an answer keeps its end open."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+        except (OSError, ValueError):  # reset, or already closed
+            return True
 
     def _stream(self, request: ApiRequest, ids: list[list[int]]) -> None:
         """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
@@ -356,7 +391,12 @@ class _Handler(BaseHTTPRequestHandler):
                     text = prompt_text(prompt, self.server.tokenizer) if request.echo else ""
                     self._event(self._envelope(request, [chunk_choice(i, request, text, first=True)], chunk=True))
             while len(results) < len(rows):
-                kind, i, payload = events.get()
+                try:
+                    kind, i, payload = events.get(timeout=CLIENT_POLL_S)
+                except queue.Empty:  # nothing to write, so no failed write would tell that the client left
+                    if self._client_gone():
+                        raise ConnectionResetError("the client went away") from None
+                    continue
                 if kind == "tokens":
                     tokens, entries = payload
                     logprobs[i].add(tokens, entries)
@@ -392,8 +432,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(json.dumps(payload).encode(), "application/json", status)
 
     def _send(self, data: bytes, content_type: str, status: HTTPStatus = HTTPStatus.OK) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except ConnectionError:  # the client left before its answer: there is no one to tell
+            self.close_connection = True

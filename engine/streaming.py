@@ -70,14 +70,15 @@ def _call(streamer: Streamer, method: str, *args) -> str | None:
 class EndsOnce:
     """Forwards to a streamer and lets only the first `end()` through, so a caller can end it in
     a `finally` whether or not the engine already did. `started`: something was put, so serving
-    the request again would stream it twice."""
+    the request again would stream it twice; never for a streamer that shows nothing
+    (`shows_output = False`, such as a server's watch on a client waiting for the whole answer)."""
 
     def __init__(self, streamer: Streamer) -> None:
         self.streamer = streamer
         self.started = self.ended = False
 
     def put(self, value: torch.Tensor) -> None:
-        self.started = True
+        self.started = self.started or getattr(self.streamer, "shows_output", True)
         self.streamer.put(value)
 
     def put_logprobs(self, entries: list[dict[int, float]]) -> None:
