@@ -1,15 +1,19 @@
-"""What a server has served, as counters in Prometheus' text format (`GET /metrics`).
+"""What a server has served, in Prometheus' text format (`GET /metrics`).
 
-vLLM's server exposes its speculative decoding counters the same way, so a dashboard can
-follow acceptance and throughput; here they are split by request class and by the arm the
-controller chose, which is what an operator of this controller wants to watch: which arm each
-class is on, how much of what it drafts is kept, and how long requests take. Plain text, no
-client library: a few counters are all it takes.
+vLLM's server exposes its speculative decoding counters and latency histograms the same way,
+so a dashboard can follow acceptance, throughput and tail latency; here they are split by
+request class and by the arm the controller chose, which is what an operator of this
+controller wants to watch: which arm each class is on, how much of what it drafts is kept,
+and how long requests take and wait (sums alone give means; a p99 needs the histograms).
+Plain text, no client library: counters, histograms and two gauges are all it takes.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
+import time
 from collections import defaultdict
 
 from autotune.controller import ControlledResult
@@ -29,16 +33,53 @@ COUNTERS = {
     "queue_seconds_total": ("Seconds requests waited before the engine began on them.", ("request_class",)),
     "request_errors_total": ("Requests that failed while served.", ("error",)),
 }
+# vLLM's bucket bounds (seconds) for its histograms of the same names
+_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+            960.0, 1920.0, 7680.0)
+_FIRST_TOKEN = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+_PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+              80.0)
+# name -> (help, labels, bucket bounds); one observation per request served
+HISTOGRAMS = {
+    "time_to_first_token_seconds": ("From the request's arrival to its first output token.", ("request_class",),
+                                    _FIRST_TOKEN),
+    "e2e_request_latency_seconds": ("From the request's arrival to its last output token.", ("request_class",),
+                                    _LATENCY),
+    "request_queue_time_seconds": ("From the request's arrival until the engine began on it.", ("request_class",),
+                                   _LATENCY),
+    "request_time_per_output_token_seconds": ("A request's time after its first output token, per later token.",
+                                              ("request_class", "arm"), _PER_TOKEN),
+}
+GAUGES = {
+    "requests_running": "Requests being served that have their first output token.",
+    "requests_waiting": "Requests being served that wait for their first output token (queued or prefilling).",
+}
 
 
 class ServedCounters:
-    """Counters over served requests; `observe` and `fail` from any thread, `render` for a scrape."""
+    """Counters and histograms over served requests, and the requests in flight: `begin`, `end`,
+    `observe` and `fail` from any thread, `render` for a scrape. A request in flight is known
+    by its `RequestClock`, which its streamer advances."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
+        # name -> labels -> [count per bucket (not cumulative), sum, count]
+        self._histograms: dict[str, dict[tuple[str, ...], list]] = defaultdict(dict)
+        self._in_flight: set[RequestClock] = set()
 
-    def observe(self, result: ControlledResult) -> None:
+    def begin(self, clock: RequestClock) -> None:
+        with self._lock:
+            self._in_flight.add(clock)
+
+    def end(self, clock: RequestClock) -> None:
+        with self._lock:
+            self._in_flight.discard(clock)
+
+    def observe(self, result: ControlledResult, clock: RequestClock | None = None) -> None:
+        """Count a request served; with its clock, also its latencies (from the clock's start,
+        which is when the server handed it to the controller)."""
         m, cls, arm = result.metrics, result.request_class, str(result.arm)
         with self._lock:
             v = self._values
@@ -51,10 +92,24 @@ class ServedCounters:
             v["fallbacks_total"][cls, arm] += result.fell_back
             v["request_seconds_total"][cls, arm] += m.total_s
             v["queue_seconds_total"][(cls,)] += result.queue_s
+            self._add("request_queue_time_seconds", (cls,), result.queue_s)
+            if clock is not None and clock.first_token_at is not None:
+                first, last = clock.first_token_at - clock.since, clock.last_token_at - clock.since
+                self._add("time_to_first_token_seconds", (cls,), first)
+                self._add("e2e_request_latency_seconds", (cls,), last)
+                if m.new_tokens > 1:
+                    self._add("request_time_per_output_token_seconds", (cls, arm), (last - first) / (m.new_tokens - 1))
 
     def fail(self, error: Exception) -> None:
         with self._lock:
             self._values["request_errors_total"][(type(error).__name__,)] += 1
+
+    def _add(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        bounds = HISTOGRAMS[name][2]
+        row = self._histograms[name].setdefault(labels, [[0] * (len(bounds) + 1), 0.0, 0])
+        row[0][bisect.bisect_left(bounds, value)] += 1  # the first bucket whose bound is >= value
+        row[1] += value
+        row[2] += 1
 
     def render(self) -> str:
         lines = []
@@ -62,9 +117,43 @@ class ServedCounters:
             for name, (doc, labels) in COUNTERS.items():
                 lines += [f"# HELP {PREFIX}_{name} {doc}", f"# TYPE {PREFIX}_{name} counter"]
                 for key, value in sorted(self._values[name].items()):
-                    tags = ",".join(f'{label}="{_escape(part)}"' for label, part in zip(labels, key))
-                    lines.append(f"{PREFIX}_{name}{{{tags}}} {_number(value)}")
+                    lines.append(f"{PREFIX}_{name}{{{_tags(labels, key)}}} {_number(value)}")
+            for name, (doc, labels, bounds) in HISTOGRAMS.items():
+                lines += [f"# HELP {PREFIX}_{name} {doc}", f"# TYPE {PREFIX}_{name} histogram"]
+                for key, (counts, total, count) in sorted(self._histograms[name].items()):
+                    tags = _tags(labels, key)
+                    for bound, seen in zip([*map(repr, bounds), "+Inf"], itertools.accumulate(counts)):
+                        lines.append(f'{PREFIX}_{name}_bucket{{{tags},le="{bound}"}} {seen}')
+                    lines += [f"{PREFIX}_{name}_sum{{{tags}}} {_number(total)}",
+                              f"{PREFIX}_{name}_count{{{tags}}} {count}"]
+            running = sum(clock.first_token_at is not None for clock in self._in_flight)
+            for name, value in (("requests_running", running), ("requests_waiting", len(self._in_flight) - running)):
+                lines += [f"# HELP {PREFIX}_{name} {GAUGES[name]}", f"# TYPE {PREFIX}_{name} gauge",
+                          f"{PREFIX}_{name} {value}"]
         return "\n".join(lines) + "\n"
+
+
+class RequestClock:
+    """When a request was handed to the controller and when its output tokens came: the
+    streamer of a served request calls `tick` at each put (the first is its prompt)."""
+
+    def __init__(self) -> None:
+        self.since = time.perf_counter()
+        self.puts = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_at = now
+        if self.puts >= 2:
+            self.last_token_at = now
+
+
+def _tags(labels: tuple[str, ...], key: tuple[str, ...]) -> str:
+    return ",".join(f'{label}="{_escape(part)}"' for label, part in zip(labels, key))
 
 
 def _number(value: float) -> str:

@@ -45,7 +45,7 @@ from autotune.openai_api import (
     response_choice,
     usage,
 )
-from autotune.prometheus import ServedCounters
+from autotune.prometheus import RequestClock, ServedCounters
 from engine import OFF, InvalidRequestError, SamplingParams
 
 MAX_BODY_BYTES = 32 << 20  # a body is read whole before it is checked
@@ -90,15 +90,19 @@ class CompletionServer(ThreadingHTTPServer):
             engine.check_request(len(one), OFF, request.decoded_tokens, sampling)
         return request, ids
 
-    def serve(self, request: ApiRequest, ids: list[int], seed: int | None, streamer=None) -> ControlledResult:
-        """One choice, from its prompt's token ids (`admit` encoded them: no second encoding)."""
+    def serve(self, request: ApiRequest, ids: list[int], seed: int | None, watch: ClientWatch) -> ControlledResult:
+        """One choice, from its prompt's token ids (`admit` encoded them: no second encoding);
+        `watch`, its streamer, times it for the metrics."""
+        self.counters.begin(watch.clock)
         try:
             result = self.controller.generate(ids, request.request_class, request.decoded_tokens,
-                                              request.temperature, request.top_p, seed, streamer, **request.options)
+                                              request.temperature, request.top_p, seed, watch, **request.options)
         except Exception as exc:
             self.counters.fail(exc)
             raise
-        self.counters.observe(result)
+        finally:
+            self.counters.end(watch.clock)
+        self.counters.observe(result, watch.clock)
         return result
 
 
@@ -112,10 +116,12 @@ class ClientWatch:
 
     def __init__(self, gone: threading.Event) -> None:
         self.gone = gone
+        self.clock = RequestClock()  # when its output came, for the metrics' latencies
 
     def put(self, value: torch.Tensor) -> None:
         if self.gone.is_set():
             raise ConnectionResetError("the client went away")
+        self.clock.tick()
 
     def end(self) -> None:
         pass

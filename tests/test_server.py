@@ -12,11 +12,11 @@ import pytest
 from conftest import tiny_llama
 from transformers import AutoTokenizer
 
-from autotune.controller import AutotuneController
-from autotune.prometheus import ServedCounters
+from autotune.controller import AutotuneController, ControlledResult
+from autotune.prometheus import RequestClock, ServedCounters
 from autotune.server import CompletionServer
 from autotune.zoo import DEFAULT_FAMILY_DIR
-from engine import OFF, Arm, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, GenerationMetrics, NGramDrafter, SamplingParams, SpeculativeEngine
 from store import Store
 
 PROMPTS = ["def parse(argv):\n", "import os\nimport sys\n", "class Reader:\n    "]
@@ -442,9 +442,50 @@ def test_metrics_count_what_was_served_by_class_and_arm_in_prometheus_text(serve
     assert drafted > 0 and samples['autotune_accepted_tokens_total{request_class="code",arm="self:3"}'] == str(drafted)
     assert float(samples['autotune_request_seconds_total{request_class="code",arm="self:3"}']) > 0
     assert "# TYPE autotune_request_errors_total counter" in text
+    for name, labels in [("time_to_first_token_seconds", 'request_class="code"'),
+                         ("e2e_request_latency_seconds", 'request_class="code"'),
+                         ("request_queue_time_seconds", 'request_class="code"'),
+                         ("request_time_per_output_token_seconds", 'request_class="code",arm="self:3"')]:
+        buckets = [int(v) for k, v in samples.items() if k.startswith(f"autotune_{name}_bucket{{{labels},")]
+        assert buckets == sorted(buckets) and buckets[-1] == 2, name  # cumulative; +Inf holds both requests
+        assert samples[f'autotune_{name}_bucket{{{labels},le="+Inf"}}'] == samples[f"autotune_{name}_count{{{labels}}}"]
+    first, last = (float(samples[f'autotune_{n}_sum{{request_class="code"}}'])
+                   for n in ("time_to_first_token_seconds", "e2e_request_latency_seconds"))
+    assert 0 < first < last
+    assert samples["autotune_requests_running"] == samples["autotune_requests_waiting"] == "0"
     counters = ServedCounters()
     counters.fail(RuntimeError("out of memory"))  # a request that failed while served, by its error's type
     assert 'autotune_request_errors_total{error="RuntimeError"} 1\n' in counters.render()
+
+
+def test_metrics_histograms_bucket_each_latency_and_gauges_count_requests_in_flight():
+    counters, waiting, running = ServedCounters(), RequestClock(), RequestClock()
+    counters.begin(waiting)
+    counters.begin(running)
+    running.tick()  # the prompt: prefilled, no output token yet
+    assert "autotune_requests_running 0\nautotune_requests_waiting 2" in _gauges(counters)
+    running.tick()  # its first output token
+    assert "autotune_requests_running 1\nautotune_requests_waiting 1" in _gauges(counters)
+    counters.end(running)
+    running.since, running.first_token_at, running.last_token_at = 0.0, 0.05, 1.05  # 9 tokens: 0.125 s apart
+    result = ControlledResult(None, [1] * 9, "code", Arm("self", 3), GenerationMetrics(new_tokens=9), goodput=0.0,
+                              reward=1.0, decision_s=0.0, learn_s=0.0, load=1, gpu_util=None, gpu_mem_mb=None,
+                              fell_back=False, queue_s=0.02, finish_reason="length")
+    counters.observe(result, running)
+    text = counters.render()
+    for name, labels, below, above in [("time_to_first_token_seconds", 'request_class="code"', "0.04", "0.06"),
+                                       ("e2e_request_latency_seconds", 'request_class="code"', "1.0", "1.5"),
+                                       ("request_time_per_output_token_seconds", 'request_class="code",arm="self:3"',
+                                        "0.1", "0.15")]:
+        assert f'autotune_{name}_bucket{{{labels},le="{below}"}} 0' in text
+        assert f'autotune_{name}_bucket{{{labels},le="{above}"}} 1' in text
+    assert 'autotune_request_queue_time_seconds_sum{request_class="code"} 0.02' in text
+    assert "autotune_requests_running 0\nautotune_requests_waiting 1" in _gauges(counters)
+
+
+def _gauges(counters: ServedCounters) -> str:
+    return "\n".join(line for line in counters.render().splitlines()
+                     if line.startswith(("autotune_requests_running", "autotune_requests_waiting")))
 
 
 def test_a_server_without_a_store_says_it_has_no_policy_to_show(served):
