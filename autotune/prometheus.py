@@ -28,6 +28,10 @@ COUNTERS = {
     "generation_tokens_total": ("Output tokens.", ("request_class", "arm")),
     "draft_tokens_total": ("Tokens the drafter proposed.", ("request_class", "arm")),
     "accepted_tokens_total": ("Drafted tokens the target kept.", ("request_class", "arm")),
+    "draft_tokens_per_position_total": ("Tokens drafted at each position of a round's draft (0: first).",
+                                        ("request_class", "arm", "position")),
+    "accepted_tokens_per_position_total": ("Of them, kept by the target (vLLM's accepted tokens per position).",
+                                           ("request_class", "arm", "position")),
     "fallbacks_total": ("Requests whose speculation failed and OFF finished.", ("request_class", "arm")),
     "request_seconds_total": ("Engine seconds of requests served.", ("request_class", "arm")),
     "queue_seconds_total": ("Seconds requests waited before the engine began on them.", ("request_class",)),
@@ -89,6 +93,10 @@ class ServedCounters:
             v["generation_tokens_total"][cls, arm] += m.new_tokens
             v["draft_tokens_total"][cls, arm] += m.drafted
             v["accepted_tokens_total"][cls, arm] += m.accepted
+            for position, (drafted, accepted) in enumerate(zip(m.drafted_per_position, m.accepted_per_position)):
+                if drafted:
+                    v["draft_tokens_per_position_total"][cls, arm, str(position)] += drafted
+                    v["accepted_tokens_per_position_total"][cls, arm, str(position)] += accepted
             v["fallbacks_total"][cls, arm] += result.fell_back
             v["request_seconds_total"][cls, arm] += m.total_s
             v["queue_seconds_total"][(cls,)] += result.queue_s

@@ -440,6 +440,9 @@ def test_metrics_count_what_was_served_by_class_and_arm_in_prometheus_text(serve
     assert samples['autotune_generation_tokens_total{request_class="code",arm="self:3"}'] == "20"
     drafted = int(samples['autotune_draft_tokens_total{request_class="code",arm="self:3"}'])
     assert drafted > 0 and samples['autotune_accepted_tokens_total{request_class="code",arm="self:3"}'] == str(drafted)
+    per_position = [int(samples[f'autotune_{kind}_tokens_per_position_total{{request_class="code",arm="self:3",'
+                                f'position="{j}"}}']) for kind in ("draft", "accepted") for j in range(3)]
+    assert sum(per_position[:3]) == drafted and per_position[:3] == per_position[3:]  # the target drafting for itself
     assert float(samples['autotune_request_seconds_total{request_class="code",arm="self:3"}']) > 0
     assert "# TYPE autotune_request_errors_total counter" in text
     for name, labels in [("time_to_first_token_seconds", 'request_class="code"'),
