@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import nbformat
@@ -330,3 +331,26 @@ def test_a_benchmark_client_that_fails_fails_the_benchmark():
     with pytest.raises(RuntimeError, match="1 of 3 clients failed") as failed:
         run_clients(client, 3)
     assert isinstance(failed.value.__cause__, ValueError)
+
+
+def test_bench_serves_client_process_answers_a_failed_client_with_its_error():
+    """The HTTP clients' process sends a failed client's error back, where it used to die of it
+    and leave `bench serve` waiting for its answer forever (seen once in a probe)."""
+    import multiprocessing
+    import socket
+
+    from autotune.bench.serving import _client_process
+
+    with socket.socket() as unused:  # a port that nothing listens on: every request fails
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    ours, theirs = multiprocessing.Pipe()
+    process = threading.Thread(target=_client_process, args=(port, [[{"prompt": "x"}]] * 2, theirs), daemon=True)
+    process.start()
+    assert ours.recv() == "ready"
+    ours.send("go")
+    assert ours.poll(30), "no answer from the clients' process"
+    answer = ours.recv()
+    ours.send("stop")
+    process.join(10)
+    assert isinstance(answer, RuntimeError) and "2 of 2 clients failed" in str(answer) and "refused" in str(answer)

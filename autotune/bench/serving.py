@@ -43,7 +43,8 @@ def _post_streamed(base: str, body: dict) -> tuple[str, int, float]:
 def _client_process(port: int, bodies: list[list[dict]], pipe) -> None:
     """The HTTP clients, in a process of their own: at each "go", client c sends `bodies[c]` one
     after another on a thread of its own; the round's seconds and, per client, each request's
-    (tokens, latency, time to first token, text) go back."""
+    (tokens, latency, time to first token, text) go back, or the error of a client that failed
+    (a process that died of it would leave the benchmark waiting for its answer forever)."""
     pipe.send("ready")  # imported: from here on it spends no CPU until told to go
     while pipe.recv() == "go":
         served: list[list[tuple]] = [[] for _ in bodies]
@@ -55,7 +56,10 @@ def _client_process(port: int, bodies: list[list[dict]], pipe) -> None:
                 done = time.perf_counter()
                 served[c].append((tokens, done - start, (first or done) - start, text))
 
-        pipe.send((run_clients(client, len(bodies)), served))
+        try:
+            pipe.send((run_clients(client, len(bodies)), served))
+        except RuntimeError as exc:  # as text: an HTTPError holds its response, which does not pickle
+            pipe.send(RuntimeError(f"{exc}: {exc.__cause__!r}"))
 
 
 def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
@@ -96,7 +100,10 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
                 ctl, s = controllers[name], stats[name]
                 if name in pipes:
                     pipes[name].send("go")
-                    seconds, served = pipes[name].recv()
+                    answer = pipes[name].recv()
+                    if isinstance(answer, Exception):
+                        raise answer
+                    seconds, served = answer
                 else:
                     served = [[] for _ in plan]
 
