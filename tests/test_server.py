@@ -417,6 +417,44 @@ def test_a_client_that_disconnects_stops_its_request(served, tmp_path, stream):
     assert observation["new_tokens"] < 200
 
 
+def test_a_streamed_client_that_leaves_before_its_first_token_stops_its_request_at_once(served, tmp_path):
+    """A streamed request waits for the engine (one request at a time) while another decodes;
+    its client leaves meanwhile. Nothing is written to it, so no failed write can tell: the
+    handler looks at the socket, and the request stops at its first put (the prompt's), with
+    the one token its prefill drew, where it used to decode until its second write failed."""
+    import socket
+    import time
+
+    engine, _ = served
+    with Store(f"sqlite:///{tmp_path / 'gone.db'}") as store:
+        controller = AutotuneController(engine, store, policy="static", arms=[OFF], arm=OFF)
+        server = CompletionServer(controller, ("127.0.0.1", 0))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+        def send(client, prompt):
+            body = json.dumps({"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}).encode()
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+        with socket.create_connection(("127.0.0.1", server.server_port)) as busy:
+            send(busy, PROMPTS[1])
+            received = b""
+            while b"data: {" not in received:  # it decodes
+                received += busy.recv(4096)
+            with socket.create_connection(("127.0.0.1", server.server_port)) as leaving:
+                send(leaving, PROMPTS[0])
+            while b"[DONE]" not in received:
+                received += busy.recv(4096)
+        for _ in range(200):
+            if store.count() == 2:
+                break
+            time.sleep(0.05)
+        server.shutdown()
+        server.server_close()
+        done, left = store.observations()
+    assert done["new_tokens"] == 200 and done["stream_error"] is None
+    assert "the client went away" in left["stream_error"] and left["new_tokens"] == 1
+
+
 def test_clients_that_connect_together_all_get_answers(served):
     """64 clients connect and send their requests before the server accepts any: the kernel holds
     them all (socketserver's backlog of 5 timed the later connects out, and under load reset
