@@ -458,12 +458,17 @@ class SpeculativeEngine:
             result.prompt_logprobs = prompt_logprobs(logits, tokens, sampling.prompt_logprobs)
         first, logprobs = commit(logits[-1:], tokens, [], None, sampling, stopping, generator)
         tokens += first
+        target_done = None
         if drafter is not None:
             target_done = self._sync()
-            drafter.begin(ids, max_length)
+            try:
+                drafter.begin(ids, max_length)
+            except Exception as exc:  # speculation must never lose a request: OFF from here
+                drafter, result.fell_back = None, True
+                result.fallback_error = f"drafter prefill: {type(exc).__name__}: {exc}"
         now = self._sync()
         m.prefill_s = now - start
-        if drafter is not None:
+        if target_done is not None:
             m.draft_prefill_s = now - target_done
         if streamer is not None:
             first_entry = None if logprobs is None else logprobs[:1]  # a copy: the list grows

@@ -26,9 +26,16 @@ class AlwaysWrongDrafter(ModelDrafter):
 
 
 class FailingDrafter(ModelDrafter):
+    """Raises at its `fail_at`-th proposal (0: in its prefill, before any)."""
+
     def __init__(self, model, fail_at: int):
         super().__init__(model)
         self.calls, self.fail_at = 0, fail_at
+
+    def begin(self, prompt, max_length):
+        if self.fail_at == 0:
+            raise RuntimeError("drafter blew up")
+        super().begin(prompt, max_length)
 
     def propose(self, tokens, k, params, generator):
         self.calls += 1
@@ -447,13 +454,16 @@ def test_k_may_change_between_rounds(engine, target):
         assert result.metrics.drafted > 0
 
 
-def test_a_failing_drafter_falls_back_to_off_and_the_request_is_served(target):
+@pytest.mark.parametrize("fail_at", [3, 0], ids=["a proposal", "its prefill"])
+def test_a_failing_drafter_falls_back_to_off_and_the_request_is_served(target, fail_at):
+    """Also a drafter whose prefill raises (that used to fail the request: found by injecting
+    faults into random batches and requests)."""
     prompt = prompts(2, seed=5)[1]
-    engine = SpeculativeEngine(target, {"flaky": FailingDrafter(target, fail_at=3)})
+    engine = SpeculativeEngine(target, {"flaky": FailingDrafter(target, fail_at)})
     result = engine.generate(prompt, "flaky:4", max_new_tokens=30)
     assert result.fell_back and "drafter blew up" in result.fallback_error
     assert result.tokens == hf_greedy(target, prompt, 30)
-    assert result.metrics.drafted > 0  # it did speculate before failing
+    assert (result.metrics.drafted > 0) == (fail_at > 0)  # it speculated before failing
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3next"])
