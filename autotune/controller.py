@@ -44,7 +44,7 @@ from engine import (
     SpeculativeEngine,
     Streamer,
 )
-from engine.streaming import EndsOnce, end_stream
+from engine.streaming import Cancellable, EndsOnce, end_stream
 from policies import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 BASELINE_POLICY = "__off_baseline__"
@@ -264,12 +264,21 @@ class AutotuneController:
     async def agenerate(self, prompt: str | list[int], request_class: str | None = None, **kwargs) -> ControlledResult:
         """`generate` (the same keyword arguments) for asyncio servers: the request runs on one of
         the controller's threads, so requests awaited together are coalesced as requests from
-        threads are (with `max_batch` > 1). Stream with transformers' `AsyncTextIteratorStreamer`."""
+        threads are (with `max_batch` > 1). Stream with transformers' `AsyncTextIteratorStreamer`.
+        Cancelling the awaiting task (a server whose client disconnected) stops the request at
+        its next round, or before it starts if it still waits, as vLLM aborts it: the thread
+        would otherwise decode to the end for no one."""
         with self._policy_lock:
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(self._threads_size, thread_name_prefix="autotune")
+        cancelled = threading.Event()
+        kwargs["streamer"] = Cancellable(kwargs.get("streamer"), cancelled)
         call = functools.partial(self.generate, prompt, request_class, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     def generate_batch(
         self,

@@ -89,3 +89,31 @@ class EndsOnce:
         if not self.ended:
             self.ended = True
             self.streamer.end()
+
+
+class Cancellable:
+    """Wraps a request's streamer (or none) so that the request stops at its next round once
+    `cancelled` is set: an asyncio caller that was cancelled (its client went away) sets it,
+    as vLLM aborts the request of a cancelled `generate`. Shows only what the streamer shows."""
+
+    def __init__(self, streamer: Streamer | None, cancelled) -> None:
+        self.streamer, self.cancelled = streamer, cancelled
+        self.shows_output = streamer is not None and getattr(streamer, "shows_output", True)
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.cancelled.is_set():
+            raise RequestCancelled("the caller cancelled the request")
+        if self.streamer is not None:
+            self.streamer.put(value)
+
+    def put_logprobs(self, entries: list[dict[int, float]]) -> None:
+        if hasattr(self.streamer, "put_logprobs"):
+            self.streamer.put_logprobs(entries)
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+
+class RequestCancelled(Exception):
+    """Raised by a `Cancellable` streamer: its request stops where it is."""

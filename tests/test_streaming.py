@@ -182,6 +182,36 @@ def test_requests_awaited_together_are_coalesced_and_each_gets_its_own_output(en
     assert ctl._threads is None
 
 
+def test_a_cancelled_agenerate_stops_its_request(engine, target, tmp_path):
+    """The task awaiting a request is cancelled once its output has begun (an asyncio server
+    whose client went away): the request stops at its next round, where its thread used to
+    decode all 200 tokens; and one cancelled while it waits for the engine never decodes."""
+    with Store(f"sqlite:///{tmp_path / 'cancel.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="static", arms=[OFF], arm=OFF)
+
+        async def serve():
+            begun = Recorder()
+            running = asyncio.ensure_future(ctl.agenerate(prompts(1)[0], "code", max_new_tokens=200, ignore_eos=True,
+                                                          streamer=begun))
+            waiting = asyncio.ensure_future(ctl.agenerate(prompts(2)[1], "chat", max_new_tokens=200, ignore_eos=True))
+            while len(begun.puts) < 3:  # the prompt, then two rounds
+                await asyncio.sleep(0.001)
+            for task in (running, waiting):
+                task.cancel()
+            for task in (running, waiting):
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            return begun
+
+        begun = asyncio.run(serve())
+        ctl.close()
+        observed = {o["request_class"]: o for o in store.observations()}
+    assert begun.ends == 1 and begun.output == hf_greedy(target, prompts(1)[0], len(begun.output))
+    for cls in ("code", "chat"):
+        assert observed[cls]["finish_reason"] == "abort" and "cancelled" in observed[cls]["stream_error"]
+    assert observed["code"]["new_tokens"] < 200 and observed["chat"]["new_tokens"] == 1
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="AsyncTextIteratorStreamer needs asyncio.timeout")
 def test_transformers_async_streamer_yields_the_requests_text_while_it_is_served(family):
     ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
