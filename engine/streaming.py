@@ -26,6 +26,7 @@ request asked for `logprobs`, so a server can stream them with the text.
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -96,7 +97,7 @@ class Cancellable:
     `cancelled` is set: an asyncio caller that was cancelled (its client went away) sets it,
     as vLLM aborts the request of a cancelled `generate`. Shows only what the streamer shows."""
 
-    def __init__(self, streamer: Streamer | None, cancelled) -> None:
+    def __init__(self, streamer: Streamer | None, cancelled: threading.Event) -> None:
         self.streamer, self.cancelled = streamer, cancelled
         self.shows_output = streamer is not None and getattr(streamer, "shows_output", True)
 
