@@ -142,7 +142,6 @@ class TokenEvents(ClientWatch):
     def __init__(self, index: int, events: queue.Queue, gone: threading.Event) -> None:
         super().__init__(gone)
         self.index, self.events = index, events
-        self.prompt_seen = False
         self.entries: list[dict[int, float]] = []  # those of the tokens the next put brings
 
     def put_logprobs(self, entries: list[dict[int, float]]) -> None:
@@ -150,8 +149,7 @@ class TokenEvents(ClientWatch):
 
     def put(self, value: torch.Tensor) -> None:
         super().put(value)
-        if not self.prompt_seen:  # the first put is the prompt (transformers' streamer protocol)
-            self.prompt_seen = True
+        if self.clock.puts == 1:  # the first put is the prompt (transformers' streamer protocol)
             return
         self.events.put(("tokens", self.index, (value.reshape(-1).tolist(), self.entries)))
         self.entries = []
