@@ -354,7 +354,7 @@ class _Handler(BaseHTTPRequestHandler):
         for thread in threads:
             thread.join(CLIENT_POLL_S)
             while thread.is_alive():
-                if self._client_gone():
+                if not gone.is_set() and self._client_gone():  # once told, the requests stop on their own
                     gone.set()
                 thread.join(CLIENT_POLL_S)
         if failed := next((r for r in results if isinstance(r, Exception)), None):
