@@ -97,6 +97,8 @@ def _sampling(temperature: float, top_p: float, seed: int | None, options: dict)
 
 
 def _check_label(request_class: str | None) -> None:
+    if request_class is not None and not isinstance(request_class, str):
+        raise InvalidRequestError(f"request_class must be a string (or None: classify it), got {request_class!r}")
     if request_class == MIXED_CLASS:
         raise InvalidRequestError(f"{MIXED_CLASS!r} is the controller's key for batches of several classes,"
                                   " not a request class a caller can give")

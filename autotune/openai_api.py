@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from autotune.controller import ControlledResult
+from engine.sampling import SEED_RANGE
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's, for completions
 MAX_LOGPROBS = 20  # OpenAI's
+MAX_N = 128  # OpenAI's bound on choices per prompt
 VLLM_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
                "ignore_eos": bool, "stop_token_ids": list, "include_stop_str_in_output": bool,
                "skip_special_tokens": bool, "allowed_token_ids": list, "bad_words": (str, list)}
@@ -145,8 +147,12 @@ def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | 
             echo: bool = False) -> ApiRequest:
     """The fields both endpoints share, checked."""
     n = _get(body, "n", int, 1)
-    if n < 1:
-        raise BadRequest(f"n must be >= 1, got {n}", "n")
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be in 1..{MAX_N}, got {n}", "n")
+    seed = _get(body, "seed", int)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1] - (n - 1):
+        raise BadRequest(f"seed must be a 64-bit signed int (choice j draws from seed + j), got {seed} with n={n}",
+                         "seed")
     stream = _get(body, "stream", bool, False)
     if max_tokens == 0 and (not echo or stream or chat):
         raise BadRequest("max_tokens 0 scores a prompt: a completion with echo, not streamed", "max_tokens")
@@ -175,7 +181,7 @@ def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | 
     return ApiRequest(
         prompts=prompts, chat=chat, n=n, max_tokens=max_tokens,
         temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=_get(body, "seed", int), stream=stream,
+        top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=seed, stream=stream,
         include_usage=bool(_get(body, "stream_options", dict, {}).get("include_usage", False)), echo=echo,
         logprobs=logprobs, add_special_tokens=_get(body, "add_special_tokens", bool, not chat),
         request_class=_get(body, "request_class", str), options=options,

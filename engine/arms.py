@@ -18,6 +18,9 @@ class Arm:
     k: int = 0
 
     def __post_init__(self) -> None:
+        if not (self.drafter is None or isinstance(self.drafter, str)) or isinstance(self.k, bool) or \
+                not isinstance(self.k, int):
+            raise InvalidRequestError(f"an arm is a drafter's name and an int K, got {self.drafter!r} and {self.k!r}")
         if self.drafter is None:
             if self.k != 0:
                 raise InvalidRequestError(f"the OFF arm takes no K (got k={self.k})")
@@ -32,6 +35,15 @@ class Arm:
 
     def __str__(self) -> str:
         return "off" if self.drafter is None else f"{self.drafter}:{self.k}"
+
+    @classmethod
+    def of(cls, arm: Arm | str) -> Arm:
+        """An arm as callers name one: an `Arm`, or its text (`parse`)."""
+        if isinstance(arm, Arm):
+            return arm
+        if isinstance(arm, str):
+            return cls.parse(arm)
+        raise InvalidRequestError(f"an arm must be an Arm or a string 'off' or 'DRAFTER:K', got {arm!r}")
 
     @classmethod
     def parse(cls, text: str) -> Arm:

@@ -9,8 +9,9 @@ cache back to len(tokens) - 1. OFF is the same round with K = 0.
 from __future__ import annotations
 
 import copy
+import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -297,7 +298,7 @@ class SpeculativeEngine:
                 torch.rand(1, device=self.device, generator=generator)
         if self.cache_kind != "compiled":
             return {}
-        arms = [Arm.parse(a) if isinstance(a, str) else a for a in arms]
+        arms = [Arm.of(a) for a in arms]
         prompt = torch.zeros(4, dtype=torch.long, device=self.device)
         top = max((a.k for a in arms), default=0)
         with torch.inference_mode():
@@ -336,7 +337,11 @@ class SpeculativeEngine:
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.reshape(-1).tolist()
         else:
-            ids = list(prompt)
+            ids = list(prompt) if isinstance(prompt, Iterable) and not isinstance(prompt, bytes) else [None]
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(f"a prompt is text, or token ids (ints) in a list or a tensor, got"
+                                      f" {str(prompt)[:80]}")
+        ids = [int(t) for t in ids]
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -359,8 +364,8 @@ class SpeculativeEngine:
     def check_request(self, prompt_len: int, arm: Arm, max_new_tokens: int,
                       sampling: SamplingParams | None = None) -> Drafter | None:
         """Refuse, with a clear error, a request this engine cannot serve on `arm`; its drafter."""
-        if max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if sampling is not None and (bad := sorted(t for t in sampling.token_ids() if t >= self.vocab_size)):
             raise InvalidRequestError(f"token ids in the sampling options are out of vocabulary range"
                                       f" (size {self.vocab_size}): {bad[:5]}")
@@ -423,7 +428,7 @@ class SpeculativeEngine:
         (re-prefilling prompt and output, as vLLM's recompute preemption does); its streamer is
         not ended.
         """
-        arm = Arm.parse(arm) if isinstance(arm, str) else arm
+        arm = Arm.of(arm)
         sampling = self.bad_words_as_ids(sampling or SamplingParams())
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
@@ -614,7 +619,7 @@ class SpeculativeEngine:
                    keep_results: bool = True) -> BatchSession:
         """A batch run a round at a time (see `BatchSession`): for a server that keeps one batch
         going, adding requests as they come and changing the arm between rounds."""
-        return BatchSession(self, Arm.parse(arm) if isinstance(arm, str) else arm, prefill_chunk, keep_results)
+        return BatchSession(self, Arm.of(arm), prefill_chunk, keep_results)
 
     def _batch_row(self, request: BatchRequest, arm: Arm) -> Row:
         ids = self.encode(request.prompt)

@@ -9,6 +9,9 @@ distribution (n-gram lookup) is a point mass, q(x) = 1.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +20,7 @@ import torch
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per output token, as vLLM's default limit
+SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's: a 64-bit signed seed
 
 
 @dataclass(frozen=True)
@@ -77,51 +81,59 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, _as_float(name, getattr(self, name)))
+        if not 0 <= self.temperature < math.inf:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise InvalidRequestError(f"seed must be an int in [-2**63, 2**63 - 1] (a 64-bit seed), got {self.seed}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be an int >= 0 (0 or -1: every token), got {self.top_k}")
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         if not (0 <= self.min_p <= 1):
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidRequestError(f"min_tokens must be an int >= 0, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS):
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
                 raise InvalidRequestError(f"{name} must be None or an int in 0..{MAX_LOGPROBS}, got {value}")
-        if not self.repetition_penalty > 0:
-            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise InvalidRequestError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        stops = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and t >= 0 for t in stops):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        stops = _items("stop_token_ids", self.stop_token_ids)
+        if not all(_is_token_id(t) for t in stops):
             raise InvalidRequestError(f"stop_token_ids must be token ids (ints >= 0), got {list(stops)}")
         object.__setattr__(self, "stop_token_ids", stops)  # a list given is kept as a tuple: hashable
-        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        strings = _items("stop", self.stop, single=str)
         if not all(isinstance(s, str) and s for s in strings):
             raise InvalidRequestError(f"stop must be non-empty strings, got {list(strings)}")
         object.__setattr__(self, "stop", strings)
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
-        bias = tuple(sorted((token, bias) for token, bias in bias))
-        if not all(_is_token_id(t) and isinstance(b, (int, float)) and -100 <= b <= 100 for t, b in bias):
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else _items("logit_bias", self.logit_bias)
+        bias = tuple(tuple(pair) for pair in pairs if isinstance(pair, (tuple, list)) and len(pair) == 2)
+        if len(bias) < len(pairs) or not all(_is_token_id(t) and isinstance(b, (int, float)) and -100 <= b <= 100
+                                             for t, b in bias):
             raise InvalidRequestError(f"logit_bias must map token ids (ints >= 0) to biases in [-100, 100], got"
-                                      f" {dict(bias)}")
-        object.__setattr__(self, "logit_bias", bias)
+                                      f" {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias)))
         if self.allowed_token_ids is not None:
-            allowed = tuple(self.allowed_token_ids)
+            allowed = _items("allowed_token_ids", self.allowed_token_ids)
             if not allowed or not all(_is_token_id(t) for t in allowed):
                 raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got"
                                           f" {list(allowed)}")
             object.__setattr__(self, "allowed_token_ids", allowed)
-        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words)
+        words = _items("bad_words", self.bad_words, single=str)
         if not all(isinstance(w, str) and w for w in words):
             raise InvalidRequestError(f"bad_words must be non-empty strings, got {list(words)}")
         object.__setattr__(self, "bad_words", words)
-        sequences = tuple(tuple(ids) for ids in self.bad_words_ids)
+        sequences = tuple(_items("bad_words_ids", ids) for ids in _items("bad_words_ids", self.bad_words_ids))
         if not all(ids and all(_is_token_id(t) for t in ids) for ids in sequences):
             raise InvalidRequestError(f"bad_words_ids must be non-empty lists of token ids (ints >= 0), got"
                                       f" {[list(ids) for ids in sequences]}")
@@ -163,8 +175,31 @@ def _callables(value, message: str) -> tuple:
     return items
 
 
+def _items(name: str, value, single: type | None = None) -> tuple:
+    """A collection given as a tuple (hashable), or `value` alone if it is a `single`."""
+    if single is not None and isinstance(value, single):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:  # not a collection at all (a number, None, a 0-d tensor)
+        kind = "a list" if single is None else f"a {single.__name__} or a list"
+        raise InvalidRequestError(f"{name} must be {kind}, got {value!r}") from None
+
+
+def _as_float(name: str, value) -> float:
+    """A number given kept as a float: a huge int (10**30) would overflow the tensors it scales."""
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        with contextlib.suppress(OverflowError):
+            return float(value)
+    raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_token_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_int(value) and value >= 0
 
 
 def adjust_logits(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_start: int,
@@ -258,8 +293,12 @@ def _bad_words(tokens: list[int], drafts: list[int], n: int, words: tuple[tuple[
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits [..., V] into the distribution the request samples from: temperature, top-k,
-    top-p and min-p, in transformers' order."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    top-p and min-p, in transformers' order. The logits are shifted to a maximum of 0 before
+    the temperature divides them (one no smaller than float32 can hold), so a tiny temperature
+    gives its limit, the likeliest tokens, instead of overflowing to a distribution of nan."""
+    logits = logits.float()
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if 0 < params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
         probs = probs.masked_fill(probs < kth, 0.0)  # ties with the k-th token stay, as in transformers
@@ -268,6 +307,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop[..., 0] = False  # a top_p below float32's smallest number compares as 0
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -293,7 +333,7 @@ def prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int) -> list[d
 def token_logprobs(logp: torch.Tensor, chosen: list[int], top: int) -> list[dict[int, float]]:
     """Per row of `logp` [n, V] (n = len(chosen)): {token: log-probability} of the chosen token
     and the `top` likeliest ones."""
-    picked = logp[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
+    picked = logp[torch.arange(len(chosen)), torch.tensor(chosen, dtype=torch.long)].tolist()  # none: a 1-token prompt
     out = [{token: value} for token, value in zip(chosen, picked)]
     if top:
         values, ids = logp.topk(top, dim=-1)

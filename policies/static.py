@@ -10,7 +10,7 @@ class StaticPolicy(Policy):
     name = "static"
 
     def __init__(self, arms: list[Arm], arm: Arm | str) -> None:
-        arm = Arm.parse(arm) if isinstance(arm, str) else arm
+        arm = Arm.of(arm)
         super().__init__([*arms, arm])
         self.arm = arm
 

@@ -480,6 +480,8 @@ def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine
         batching.generate([1, 2, 3], "x", logit_bias={99: 1.0})  # refused in its caller, before any batch
     with pytest.raises(InvalidRequestError, match="bad_words need the engine's tokenizer"):
         batching.generate_batch([[1, 2, 3]] * 2, "x", bad_words=["def"])
+    with pytest.raises(InvalidRequestError, match=r"request_class must be a string \(or None: classify it\), got \{\}"):
+        batching.generate([1, 2, 3], {})  # was a TypeError from inside the coalescer (unhashable)
 
 
 def test_the_reward_compares_a_request_with_off_on_the_same_request(engine):

@@ -404,6 +404,7 @@ def test_prompt_logprobs_are_the_targets_own_for_every_prompt_token(target):
             assert torch.allclose(torch.tensor(list(entry.values())), logp[j, list(entry)], atol=1e-4)
     assert [r.tokens for r in alone] == [r.tokens for r in together]
     assert engine.generate(batch[0], "ngram:4", 5).prompt_logprobs is None  # only when asked for
+    assert engine.generate([5], "ngram:4", 2, sampling).prompt_logprobs == [None]  # a 1-token prompt has none
 
 
 def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
@@ -516,6 +517,9 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([], "off"), "prompt is empty"),
         (lambda e: e.generate([1] * 250, "off", max_new_tokens=10), "exceeds the target's context"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(temperature=-1)), "temperature"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(float("inf"))), "temperature must be a finite"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams("0.5")), "temperature must be a number"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, seed=2**63)), "seed must be an int in"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(top_p=0)), "top_p"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(top_p=1.5)), "top_p"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, top_k=-2)), "top_k must be an int >= 0"),
@@ -524,6 +528,8 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(min_tokens=-1)), "min_tokens"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logprobs=21)), "logprobs must be None or an int"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(repetition_penalty=0)), "repetition_penalty"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(repetition_penalty=float("inf"))),
+         "repetition_penalty must be a finite"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(presence_penalty=3)), "presence_penalty"),
         (lambda e: e.generate([1, 999], "off"), "out of vocabulary"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias={3: 101})), "logit_bias must map"),
@@ -544,11 +550,28 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(stopping_criteria=[1])),
          "stopping_criteria must be callables"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
+        # arguments of the wrong type are named, not met by a TypeError from deep inside
+        (lambda e: e.generate([[1, 2]], "off"), r"a prompt is text, or token ids \(ints\) in a list or a tensor"),
+        (lambda e: e.generate(torch.tensor([1.0, 2.0]), "off"), "a prompt is text, or token ids"),
+        (lambda e: e.generate([1, 2], 3), "an arm must be an Arm or a string"),
+        (lambda e: e.generate([1, 2], Arm("small", 2.0)), "an arm is a drafter's name and an int K"),
+        (lambda e: e.generate([1, 2], "off", max_new_tokens="8"), "max_new_tokens must be an int >= 1, got '8'"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, seed=True)), "seed must be an int"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logprobs=True)), "logprobs must be None or an"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(stop=None)), "stop must be a str or a list"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias=[3])), "logit_bias must map"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(ignore_eos=1)), "ignore_eos must be True or"),
     ],
 )
 def test_bad_input_raises_a_clear_error(engine, call, message):
     with pytest.raises(InvalidRequestError, match=message):
         call(engine)
+
+
+def test_a_number_given_as_a_huge_int_is_taken_as_its_float(engine):
+    """10**30 as an int overflowed the tensor op it scaled (a 500 from the server)."""
+    as_int = engine.generate([1, 2, 3], "small:2", 8, SamplingParams(repetition_penalty=10**30))
+    assert as_int.tokens == engine.generate([1, 2, 3], "off", 8, SamplingParams(repetition_penalty=1e30)).tokens
 
 
 def test_drafter_with_another_vocabulary_is_refused(target):

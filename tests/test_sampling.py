@@ -52,6 +52,19 @@ def test_the_distribution_sampled_is_the_one_generate_samples(params):
     assert ((expected == 0).sum(-1) > 0).all()  # each case cuts tokens
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_a_tiny_temperature_or_top_p_samples_its_limit_the_likeliest_tokens(temperature):
+    """Divided as they are, float32 logits overflow below about 1e-38 and underflow the
+    temperature itself to 0 below about 1e-45; either made a distribution of nan, and so did a
+    top_p that float32 holds as 0."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, -float("inf"), 2.0], [1.0, 3.0, 3.5, 2.0, 0.0]])
+    expected = torch.tensor([[0, 0.5, 0.5, 0, 0], [0, 0, 1.0, 0, 0]])
+    assert torch.equal(probabilities(logits, SamplingParams(temperature)), expected)
+    nucleus = probabilities(logits, SamplingParams(1.0, top_p=temperature))  # top_p that small: one likeliest token
+    assert torch.equal(nucleus.amax(-1), torch.ones(2)) and torch.equal(nucleus.sum(-1), torch.ones(2))
+    assert torch.equal(logits.gather(-1, nucleus.argmax(-1, keepdim=True)), logits.amax(-1, keepdim=True))
+
+
 def adjusted(logits, prefixes, params):
     """The request's edits of the next-token logits after each of `prefixes` (prompt + output),
     written out independently of the engine: the allowed tokens and the logit bias, then
