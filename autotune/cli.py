@@ -319,6 +319,21 @@ def cmd_zoo_train(args) -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "family"}, indent=2))
 
 
+def at_least(low: float, kind: type = int, high: float | None = None):
+    """An argparse type: a `kind` number in [low, high], refused by argparse (exit 2, naming
+    the option) otherwise, rather than accepted and run on silently (a demo of -1 requests) or
+    failing far into a run (a tuning study of 0 trials)."""
+    def parse(text: str):
+        value = kind(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {f'in {low}..{high}' if high is not None else f'>= {low}'},"
+                                             f" got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message for a value it cannot parse
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autotune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -337,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = common(sub.add_parser("demo", help="serve a mixed workload through the controller (the main job)"))
-    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--requests", type=at_least(1), default=120)
     p.add_argument("--policy", default="ucb")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
@@ -345,13 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = common(sub.add_parser("serve", help="an OpenAI-compatible server over the controller (/v1/completions,"
                                             " /v1/chat/completions)"))
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--port", type=at_least(0, high=65535), default=8000, help="0: any free port")
     p.add_argument("--policy", default="ucb")
-    p.add_argument("--max-batch", type=int, default=16, help="requests served together at most (1: one at a time)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, metavar="TOKENS",
+    p.add_argument("--max-batch", type=at_least(1), default=16,
+                   help="requests served together at most (1: one at a time)")
+    p.add_argument("--prefill-chunk", type=at_least(0), default=2048, metavar="TOKENS",
                    help="a request joining a batch that decodes is prefilled at most this many tokens a round"
                         " (chunked prefill; 0: in one go)")
-    p.add_argument("--prefix-cache-tokens", type=int, default=8192, metavar="TOKENS",
+    p.add_argument("--prefix-cache-tokens", type=at_least(0), default=8192, metavar="TOKENS",
                    help="each model keeps this many tokens of earlier prompts' keys and values, so a prompt that"
                         " starts as one did prefills only the rest (automatic prefix caching; 0: off)")
     p.add_argument("--target", help="a local Hugging Face model folder to serve instead of the family")
@@ -368,9 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = common(sub.add_parser("tune", help="offline Optuna study per request class"))
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
-    p.add_argument("--budget", type=int, default=20, help="trials per class")
-    p.add_argument("--minutes", type=float, help="time limit per class")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per trial")
+    p.add_argument("--budget", type=at_least(1), default=20, help="trials per class")
+    p.add_argument("--minutes", type=at_least(0.01, float), help="time limit per class")
+    p.add_argument("--prompts", type=at_least(1), default=4, help="prompts per trial")
     p.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_tune)
@@ -383,35 +399,36 @@ def build_parser() -> argparse.ArgumentParser:
                                     "concurrency", "serve"])
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--repetition-penalty", type=at_least(0.01, float), default=1.0,
                    help="bench engine: every method decodes with this repetition penalty")
-    p.add_argument("--no-repeat-ngram", type=int, default=0, metavar="N",
+    p.add_argument("--no-repeat-ngram", type=at_least(0), default=0, metavar="N",
                    help="bench engine: no method repeats an N-gram (the engine through a caller's logits processor)")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")
-    p.add_argument("--prompts", type=int, default=6, help="prompts (per class)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=at_least(1), default=6, help="prompts (per class)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
-    p.add_argument("--requests", type=int,
+    p.add_argument("--requests", type=at_least(1),
                    help="bench controller: stream length (default 160); longrun: requests served (default 320);"
                         " prefix: requests per case (default 24)")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--batch", type=at_least(1), default=1,
                    help="bench arms: serve each class's first N prompts together as one batch (load N)")
     p.add_argument("--arms-json", action="append",
                    help="bench controller: ground truth from `bench arms --json` (once per batch size)")
-    p.add_argument("--burst-share", type=float, default=0.0,
+    p.add_argument("--burst-share", type=at_least(0, float, high=1), default=0.0,
                    help="bench controller: share of arrivals that are a burst served as one batch")
-    p.add_argument("--burst-size", type=int, default=16, help="bench controller: requests per burst")
-    p.add_argument("--clients", type=int, default=16,
+    p.add_argument("--burst-size", type=at_least(1), default=16, help="bench controller: requests per burst")
+    p.add_argument("--clients", type=at_least(1), default=16,
                    help="bench concurrency, serve, prefix: client threads, each sending 4 requests one after another")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
-    p.add_argument("--n", type=int, default=8, help="bench choices: choices per request")
-    p.add_argument("--batch-size", type=int, default=16, help="bench lengths, longrun: requests per batch")
-    p.add_argument("--prefill-chunk", type=int, nargs="+", default=[512, 2048], metavar="TOKENS",
+    p.add_argument("--n", type=at_least(1), default=8, help="bench choices: choices per request")
+    p.add_argument("--batch-size", type=at_least(1), default=16, help="bench lengths, longrun: requests per batch")
+    p.add_argument("--prefill-chunk", type=at_least(1), nargs="+", default=[512, 2048], metavar="TOKENS",
                    help="bench chunked: chunk sizes compared with prefilling in one go")
-    p.add_argument("--context-tokens", type=int, default=600, metavar="TOKENS",
+    p.add_argument("--context-tokens", type=at_least(1), default=600, metavar="TOKENS",
                    help="bench prefix: the context every request starts with")
-    p.add_argument("--max-k", type=int, default=16, help="bench limits: verify steps of up to K+1 tokens")
+    p.add_argument("--max-k", type=at_least(1, high=16), default=16,
+                   help="bench limits: verify steps of up to K+1 tokens")
     p.add_argument("--llama-shapes", action="store_true",
                    help="bench limits: random bf16 models shaped like Llama-3.1-8B / Llama-3.2-1B (CUDA)")
     p.set_defaults(func=cmd_bench)
@@ -420,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = zoo.add_parser("train", help="train the tokenizer and model family")
     p.add_argument("--out", required=True, help="folder to write the family to")
     p.add_argument("--corpora", nargs="?", const="", help="add ../shared/corpora (or this folder) to training")
-    p.add_argument("--scale", type=float, default=1.0, help="scale every member's training steps")
+    p.add_argument("--scale", type=at_least(0.001, float), default=1.0, help="scale every member's training steps")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_zoo_train)
     return parser

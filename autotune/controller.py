@@ -24,6 +24,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -104,6 +105,30 @@ def _check_label(request_class: str | None) -> None:
                                   " not a request class a caller can give")
 
 
+def _check_settings(max_batch: int, decide_every: int, save_every: int, min_baseline_steps: int,
+                    counterfactual_requests: int, batch_wait_ms: float, counterfactual_budget: float,
+                    counterfactual_weight: float, baseline_discount: float, prefill_chunk: int | None) -> None:
+    """Refuse a controller setting out of its range by name: several would otherwise be taken
+    silently (a negative wait) or fail only later, on another thread (save_every=0 at the
+    first save, a fractional max_batch in the coalescer's thread, leaving its callers waiting)."""
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for name, value, low in [("max_batch", max_batch, 1), ("decide_every", decide_every, 1),
+                             ("save_every", save_every, 1), ("min_baseline_steps", min_baseline_steps, 0),
+                             ("counterfactual_requests", counterfactual_requests, 0)]:
+        if not whole(value) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if prefill_chunk is not None and (not whole(prefill_chunk) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be a positive number of tokens or None, not {prefill_chunk!r}")
+    for name, value, ok, what in [("batch_wait_ms", batch_wait_ms, lambda v: 0 <= v < math.inf, ">= 0"),
+                                  ("counterfactual_budget", counterfactual_budget, lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                  ("counterfactual_weight", counterfactual_weight, lambda v: 0 <= v <= 1, "in [0, 1]"),
+                                  ("baseline_discount", baseline_discount, lambda v: 0 < v <= 1, "in (0, 1]")]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
+
+
 class AutotuneController:
     def __init__(
         self,
@@ -127,6 +152,11 @@ class AutotuneController:
         prefill_chunk: int | None = 2048,
         **policy_kwargs,
     ) -> None:
+        _check_settings(max_batch=max_batch, decide_every=decide_every, save_every=save_every,
+                        min_baseline_steps=min_baseline_steps, counterfactual_requests=counterfactual_requests,
+                        batch_wait_ms=batch_wait_ms, counterfactual_budget=counterfactual_budget,
+                        counterfactual_weight=counterfactual_weight, baseline_discount=baseline_discount,
+                        prefill_chunk=prefill_chunk)
         self.engine = engine
         self.store = store
         arms = arms if arms is not None else default_arms(engine)
@@ -177,8 +207,6 @@ class AutotuneController:
         # tokens/s of one go); 512 took the rows' p99 gap under 900-token joins from 109-134
         # to 72-88 ms, but spread bursts of short prompts over more rounds (their p99 gap 20-31
         # -> 55-59 ms, 0.93-0.99x the tokens/s; `autotune bench chunked`).
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise InvalidRequestError(f"prefill_chunk must be a positive number of tokens or None, not {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         # pause_alone: a request served alone pauses when another arrives and finishes in a
         # continuous batch with it (the one-request path takes no joiners). By default not on a

@@ -455,8 +455,20 @@ def test_policy_arms_the_engine_lacks_are_refused(engine):
         ctl.generate([1, 2, 3], request_class="x")
     with pytest.raises(PolicyError, match="unknown policy 'greedy'"):
         AutotuneController(engine, policy="greedy")
-    with pytest.raises(InvalidRequestError, match="prefill_chunk must be a positive number of tokens or None, not 0"):
-        AutotuneController(engine, max_batch=4, prefill_chunk=0)
+
+
+@pytest.mark.parametrize("setting, words", [
+    ({"prefill_chunk": 0}, "prefill_chunk must be a positive number of tokens or None, not 0"),
+    ({"max_batch": 2.5}, "max_batch must be an int >= 1, got 2.5"),  # was: the coalescer's thread died, callers hung
+    ({"save_every": 0}, "save_every must be an int >= 1"),  # was: ZeroDivisionError at the first save
+    ({"decide_every": 0}, "decide_every must be an int >= 1"),
+    ({"batch_wait_ms": -5}, "batch_wait_ms must be a finite number >= 0, got -5"),
+    ({"counterfactual_budget": 1.5}, r"counterfactual_budget must be a finite number in \[0, 1\]"),
+    ({"baseline_discount": 0}, r"baseline_discount must be a finite number in \(0, 1\]"),
+])
+def test_a_controller_setting_out_of_range_is_refused_by_name(engine, setting, words):
+    with pytest.raises(ValueError, match=words):
+        AutotuneController(engine, max_batch=setting.pop("max_batch", 4), **setting)
 
 
 def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine):

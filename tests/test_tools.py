@@ -87,6 +87,15 @@ def test_cli_gives_clear_errors_and_exit_codes(tmp_path, capsys):
     with pytest.raises(SystemExit) as usage:
         main(["bench", "nothing"])
     assert usage.value.code == 2
+    for argv, words in [(["demo", "--requests", "-1"], "argument --requests: must be >= 1, got -1"),  # ran 0, exit 0
+                        (["serve", "--port", "99999"], "argument --port: must be in 0..65535"),  # a traceback, exit 1
+                        (["tune", "--budget", "0"], "argument --budget: must be >= 1"),  # optuna: Record does not exist
+                        (["bench", "controller", "--burst-share", "2"], "argument --burst-share: must be in 0..1")]:
+        with pytest.raises(SystemExit) as usage:
+            main(argv)
+        assert usage.value.code == 2 and words in capsys.readouterr().err
+    assert main(["bench", "engine", "--quick", "--arm", "nope:3"]) == 2  # was: `autotune: 'nope'`, a KeyError's text
+    assert "unknown drafter 'nope'; this engine has: ['distilled'," in capsys.readouterr().err
     help_text = subprocess.run([sys.executable, "-m", "autotune.cli", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "demo" in help_text.stdout and "zoo" in help_text.stdout
 

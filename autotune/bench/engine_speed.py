@@ -36,6 +36,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     A compiled engine is also measured against its eager twin (same models), side by side, and
     its one-time compile cost is reported; compiling happens before any timing.
     """
+    engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
     processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram)] if no_repeat_ngram else []
     sampling = SamplingParams(repetition_penalty=repetition_penalty, logits_processor=processors)
     options = dict(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram or None)

@@ -29,6 +29,8 @@ def bench_lossless(engine: SpeculativeEngine, classes: dict[str, RequestClass], 
     with the float32 target's logit gap between the two tokens, which tells rounding (a gap of
     a few hundredths) from a broken engine (a gap the size of a real preference).
     """
+    for arm in arms:  # an unknown drafter is named before anything runs
+        engine.check_request(1, arm, 1)
     reference = engine.target if engine.dtype == torch.float32 else copy.deepcopy(engine.target).float()
     engine.warm_up([OFF, *arms])
     requests = identical = off_identical = 0
