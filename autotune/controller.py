@@ -24,6 +24,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import logging
 import math
 import threading
 import time
@@ -48,6 +49,7 @@ from engine import (
 from engine.streaming import Cancellable, EndsOnce, end_stream
 from policies import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
+logger = logging.getLogger(__name__)
 BASELINE_POLICY = "__off_baseline__"
 COSTS_POLICY = "__costs__"  # per load bucket: the measured draft and verify costs (CostModel)
 INTERNAL_POLICIES = (BASELINE_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
@@ -121,12 +123,12 @@ def _check_settings(max_batch: int, decide_every: int, save_every: int, min_base
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if prefill_chunk is not None and (not whole(prefill_chunk) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be a positive number of tokens or None, not {prefill_chunk!r}")
-    for name, value, ok, what in [("batch_wait_ms", batch_wait_ms, lambda v: 0 <= v < math.inf, ">= 0"),
-                                  ("counterfactual_budget", counterfactual_budget, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    for name, value, ok, what in [("batch_wait_ms", batch_wait_ms, lambda v: 0 <= v < math.inf, ">= 0 (finite)"),
+                                  ("counterfactual_budget", counterfactual_budget, lambda v: v >= 0, ">= 0"),
                                   ("counterfactual_weight", counterfactual_weight, lambda v: 0 <= v <= 1, "in [0, 1]"),
                                   ("baseline_discount", baseline_discount, lambda v: 0 < v <= 1, "in (0, 1]")]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
+            raise ValueError(f"{name} must be a number {what}, got {value!r}")
 
 
 class AutotuneController:
@@ -432,8 +434,7 @@ class AutotuneController:
                                                      siblings))
             self._dirty.add(context.key)
             self._updates += 1
-            if self.store is not None and self._updates % self.save_every == 0:
-                self._save_locked()
+            self._save_periodically()
         out = []
         for result, cls, labelled, feats, sp, since in zip(results, classes, classified, features, sampling, arrived):
             out.append(ControlledResult(
@@ -613,8 +614,7 @@ class AutotuneController:
                                                      done.acceptance, done.new_tokens, siblings))
             self._dirty.add(context.key)
             self._updates += 1
-            if self.store is not None and self._updates % self.save_every == 0:
-                self._save_locked()
+            self._save_periodically()
 
     @staticmethod
     def _key(classes: list[str]) -> str:
@@ -732,6 +732,18 @@ class AutotuneController:
         )
 
     # ----- persistence --------------------------------------------------------------------
+    def _save_periodically(self) -> None:
+        """Every `save_every` updates (the policy lock held), save what was learned. A store that
+        cannot take it now (locked past its timeout, a database server gone) must not fail the
+        request whose update came due: its keys stay dirty, so the next save or `close` writes
+        them, and the failure is logged."""
+        if self.store is None or self._updates % self.save_every:
+            return
+        try:
+            self._save_locked()
+        except Exception as exc:
+            logger.warning("the policy state could not be saved (kept, saved again later): %s", exc)
+
     def _save_locked(self) -> None:
         state = self.policy.state_dict()
         policy_wide = {key for key in state if "@" not in key}  # e.g. the contextual history

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import logging
 import queue
 import re
 import select
@@ -47,7 +48,9 @@ from autotune.openai_api import (
 )
 from autotune.prometheus import RequestClock, ServedCounters
 from engine import OFF, InvalidRequestError, SamplingParams
+from store import StoreError
 
+logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 32 << 20  # a body is read whole before it is checked
 CLIENT_POLL_S = 0.05  # how often a handler waiting on the controller looks whether its client hung up
 _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whitespace, a half character
@@ -286,7 +289,10 @@ class _Handler(BaseHTTPRequestHandler):
                                  status=HTTPStatus.NOT_FOUND)
             return self._json(missing.body(), missing.status)
         controller.save()
-        controller.store.flush()
+        try:
+            controller.store.flush()
+        except StoreError as exc:  # observations the database refused: told, and the table still shown
+            logger.warning("%s", exc)
         policy = controller.policy.name
         self._json({"policy": policy, "classes": policy_table(controller.store, policy)})
 

@@ -133,7 +133,9 @@ class Store:
         with self.engine.begin() as conn:
             conn.execute(insert(Run).values(id=self.run_id, started_at=time.time(), label=label))
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._error: BaseException | None = None
+        self.dropped = 0  # observations the database refused, even alone
+        self._unreported: tuple[int, BaseException] | None = None  # (dropped, last error) since `flush` told
+        self._unreported_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="autotune-store-writer", daemon=True)
         self._writer.start()
         self._closed = False
@@ -170,8 +172,6 @@ class Store:
     # ----- writes -------------------------------------------------------------------------
     def record(self, **observation) -> None:
         """Queue one observation for the background writer (blocks only if the queue is full)."""
-        if self._error is not None:
-            raise StoreError(f"the store writer failed: {self._error}") from self._error
         observation.setdefault("created_at", time.time())
         observation.setdefault("run_id", self.run_id)
         self._queue.put(observation)
@@ -192,22 +192,47 @@ class Store:
                 else:
                     batch.append(item)
             try:
-                if batch:
-                    with self.engine.begin() as conn:
-                        conn.execute(insert(Observation), batch)
-            except BaseException as exc:  # surfaced to the caller on the next record/flush
-                self._error = exc
+                self._insert(batch)
             finally:
                 for _ in range(done):
                     self._queue.task_done()
             if stop:
                 return
 
+    def _insert(self, batch: list[dict]) -> None:
+        """One transaction for the batch; if the database refuses it, one per row, so that a row
+        it cannot take (a value out of its column's range, a column it lacks) costs only itself,
+        not the rows queued beside it, and the writer lives on to write the next ones."""
+        if not batch:
+            return
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(Observation), batch)
+            return
+        except Exception:
+            pass
+        for row in batch:
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(insert(Observation), [row])
+            except Exception as exc:
+                with self._unreported_lock:
+                    self.dropped += 1
+                    self._unreported = ((self._unreported or (0,))[0] + 1, exc)
+
     def flush(self) -> None:
-        """Block until every recorded observation is committed."""
+        """Block until every recorded observation is written; raise once for the observations
+        the database refused since the last time this told of them."""
         self._queue.join()
-        if self._error is not None:
-            raise StoreError(f"the store writer failed: {self._error}") from self._error
+        self._report()
+
+    def _report(self) -> None:
+        with self._unreported_lock:
+            unreported, self._unreported = self._unreported, None
+        if unreported is not None:
+            count, exc = unreported
+            raise StoreError(f"{count} observation(s) could not be written and were dropped; the last"
+                             f" error: {exc}") from exc
 
     def close(self) -> None:
         if self._closed:
@@ -216,8 +241,7 @@ class Store:
         self._queue.put(None)
         self._writer.join()
         self.engine.dispose()
-        if self._error is not None:
-            raise StoreError(f"the store writer failed: {self._error}") from self._error
+        self._report()
 
     def __enter__(self) -> Store:
         return self

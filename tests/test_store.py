@@ -87,6 +87,23 @@ class FlakyCursor:
             raise sqlite3.OperationalError(self.error)
 
 
+def test_a_row_the_database_refuses_costs_only_itself_and_is_reported_once(tmp_path):
+    """A NaN goodput (NOT NULL: SQLite stores NaN as NULL) used to fail its whole batch, lose the
+    good rows queued beside it, and stop the writer, so that every later record raised."""
+    with Store(f"sqlite:///{tmp_path / 'r.db'}") as s:
+        for i in range(3):
+            s.record(**obs(i))
+        s.record(**{**obs(3), "goodput": float("nan")})
+        for i in range(4, 6):
+            s.record(**obs(i))
+        with pytest.raises(StoreError, match=r"1 observation\(s\) could not be written and were dropped; the last"
+                                             r" error: .*NOT NULL constraint failed: autotune_observations.goodput"):
+            s.flush()
+        s.record(**obs(6))
+        s.flush()  # told once
+        assert sorted(row["prompt_tokens"] for row in s.observations()) == [0, 1, 2, 4, 5, 6] and s.dropped == 1
+
+
 def test_switching_to_wal_waits_out_a_concurrent_switch_but_not_other_errors():
     from store.store import _enter_wal
 
