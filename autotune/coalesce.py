@@ -99,8 +99,8 @@ class Coalescer:
     """
 
     def __init__(self, serve: Callable[[Hashable, Batch], list], max_batch: int, wait_s: float = 0.002) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if not isinstance(max_batch, int) or max_batch < 1:  # a float would fail in the worker, leaving callers waiting
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self._serve = serve
         self.max_batch = max_batch
         self.wait_s = wait_s
