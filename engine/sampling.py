@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per output token, as vLLM's default limit
 SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's: a 64-bit signed seed
+FLOAT32 = torch.finfo(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -249,8 +250,11 @@ def _edit(logits: torch.Tensor, tokens: list[int], drafts: list[int], output_sta
     if params.repetition_penalty != 1.0:
         seen = later > 0
         seen[:, history] = True
-        penalized = torch.where(logits < 0, logits * params.repetition_penalty, logits / params.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
+        # Kept finite (a penalty of 1e-30 or 1e30 overflows float32; inf logits give a nan
+        # distribution), and a token impossible before (-inf) stays impossible.
+        penalty, largest = max(params.repetition_penalty, FLOAT32.tiny), FLOAT32.max
+        penalized = torch.where(logits < 0, logits * penalty, logits / penalty).clamp(-largest, largest)
+        logits = torch.where(seen & logits.isfinite(), penalized, logits)
     if params.presence_penalty or params.frequency_penalty:
         counts = later + torch.bincount(history[output_start:], minlength=vocab)[:vocab].float()
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
@@ -297,7 +301,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     the temperature divides them (one no smaller than float32 can hold), so a tiny temperature
     gives its limit, the likeliest tokens, instead of overflowing to a distribution of nan."""
     logits = logits.float()
-    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    temperature = max(params.temperature, FLOAT32.tiny)
     probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if 0 < params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]

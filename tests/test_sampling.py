@@ -65,6 +65,17 @@ def test_a_tiny_temperature_or_top_p_samples_its_limit_the_likeliest_tokens(temp
     assert torch.equal(logits.gather(-1, nucleus.argmax(-1, keepdim=True)), logits.amax(-1, keepdim=True))
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e38, 10**300])
+def test_a_repetition_penalty_float32_cannot_hold_still_gives_a_distribution(models, penalty):
+    """Dividing by a penalty that float32 holds as 0, or multiplying by one past its range,
+    made inf logits and a distribution of nan (a RuntimeError from the sampler)."""
+    target, _ = models
+    engine = SpeculativeEngine(target, {"ngram": NGramDrafter()})
+    for temperature in (0.0, 1.5):
+        params = SamplingParams(temperature, repetition_penalty=penalty, allowed_token_ids=[1, 2, 3], seed=1)
+        assert set(engine.generate(PROMPT, "ngram:2", 6, params).tokens) <= {1, 2, 3}
+
+
 def adjusted(logits, prefixes, params):
     """The request's edits of the next-token logits after each of `prefixes` (prompt + output),
     written out independently of the engine: the allowed tokens and the logit bias, then
