@@ -24,17 +24,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass
 class _Ticket:
+    """A waiting request. Its caller waits on its own `ready` event, not on the coalescer's
+    condition: woken all at once, every caller of a queue of thousands re-took the lock each time
+    a batch ended (a body of 4,000 prompts took 77 s against 1.5 s for 1,000)."""
+
     group: Hashable
     item: Any
     done: bool = False
     result: Any = None
     error: BaseException | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
 
     def settle(self, outcome: Any) -> None:
         if isinstance(outcome, BaseException):
@@ -42,6 +47,7 @@ class _Ticket:
         else:
             self.result = outcome
         self.done = True
+        self.ready.set()
 
 
 class Batch:
@@ -86,7 +92,6 @@ class Batch:
         """Hand item `index`'s caller its outcome (a result, or an exception to raise) now."""
         with self._coalescer._cv:
             self._tickets[index].settle(outcome)
-            self._coalescer._cv.notify_all()
 
 
 class Coalescer:
@@ -114,18 +119,22 @@ class Coalescer:
         ticket = _Ticket(group, item)
         with self._cv:
             self._queue.append(ticket)
-            self._cv.notify_all()
-            while not ticket.done:
-                if not self._busy:  # nobody serves: a worker does, on a thread of its own
-                    self._busy = True
-                    threading.Thread(target=self._work, name="coalescer", daemon=True).start()
-                self._cv.wait()
-            # A continuous batch may outlive this call by far: it keeps nothing of it.
+            self._cv.notify_all()  # a worker gathering a batch may wait for more
+            self._start_worker()
+        ticket.ready.wait()
+        with self._cv:  # a continuous batch may outlive this call by far: it keeps nothing of it
             error, result = ticket.error, ticket.result
             ticket.item = ticket.result = ticket.error = None
         if error is not None:
             raise error
         return result
+
+    def _start_worker(self) -> None:
+        """Unless one serves, start a worker (called holding the lock). One that serves stops
+        only once the queue is empty (`_work`), so every waiting request has one."""
+        if not self._busy:
+            self._busy = True
+            threading.Thread(target=self._work, name="coalescer", daemon=True).start()
 
     def _work(self) -> None:
         """Serve batches while requests wait, then stop. A worker thread rather than the caller
@@ -149,7 +158,6 @@ class Coalescer:
                     if not t.done:
                         t.settle(outcome)
                 self._last_batch = len(batch)
-                self._cv.notify_all()
 
     def idle(self) -> None:
         """Wait until no batch is being served (what a caller got back may not be the end of

@@ -260,7 +260,7 @@ def three_then_the_rest(ctl: AutotuneController, worker, count: int) -> None:
         time.sleep(0.001)
     with queue._cv:
         queue._busy = False
-        queue._cv.notify_all()
+        queue._start_worker()
     for t in threads[3:]:
         t.start()
     for t in threads:

@@ -1,5 +1,5 @@
 """Random arguments, right and wrong, get a result or an `InvalidRequestError` naming the
-problem, never an error from deep inside. A throwaway version of this (5,300 calls) and one
+problem, never an error from deep inside. A throwaway version of this (6,800 calls) and one
 for the server (8,500 bodies) found the wrong types met by TypeErrors, a 1-token prompt with
 prompt_logprobs (IndexError), and values float32 cannot hold (a distribution of nan)."""
 
