@@ -323,11 +323,12 @@ def at_least(low: float, kind: type = int, high: float | None = None):
     """An argparse type: a `kind` number in [low, high], refused by argparse (exit 2, naming
     the option) otherwise, rather than accepted and run on silently (a demo of -1 requests) or
     failing far into a run (a tuning study of 0 trials)."""
+    allowed = f">= {low}" if high is None else f"in {low}..{high}"
+
     def parse(text: str):
         value = kind(text)
         if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {f'in {low}..{high}' if high is not None else f'>= {low}'},"
-                                             f" got {text}")
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its message for a value it cannot parse

@@ -177,12 +177,15 @@ def _callables(value, message: str) -> tuple:
 
 
 def _items(name: str, value, single: type | None = None) -> tuple:
-    """A collection given as a tuple (hashable), or `value` alone if it is a `single`."""
+    """A collection given as a tuple (hashable), `value` alone if it is a `single`, and None as
+    none (vLLM's default for its lists)."""
+    if value is None:
+        return ()
     if single is not None and isinstance(value, single):
         return (value,)
     try:
         return tuple(value)
-    except TypeError:  # not a collection at all (a number, None, a 0-d tensor)
+    except TypeError:  # not a collection at all (a number, a 0-d tensor)
         kind = "a list" if single is None else f"a {single.__name__} or a list"
         raise InvalidRequestError(f"{name} must be {kind}, got {value!r}") from None
 

@@ -208,17 +208,15 @@ class Store:
         try:
             with self.engine.begin() as conn:
                 conn.execute(insert(Observation), batch)
-            return
-        except Exception:
-            pass
-        for row in batch:
-            try:
-                with self.engine.begin() as conn:
-                    conn.execute(insert(Observation), [row])
-            except Exception as exc:
-                with self._unreported_lock:
-                    self.dropped += 1
-                    self._unreported = ((self._unreported or (0,))[0] + 1, exc)
+        except Exception:  # some row it cannot take: write the others
+            for row in batch:
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(insert(Observation), [row])
+                except Exception as exc:
+                    with self._unreported_lock:
+                        self.dropped += 1
+                        self._unreported = ((self._unreported[0] if self._unreported else 0) + 1, exc)
 
     def flush(self) -> None:
         """Block until every recorded observation is written; raise once for the observations

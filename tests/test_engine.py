@@ -558,7 +558,7 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", max_new_tokens="8"), "max_new_tokens must be an int >= 1, got '8'"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(1.0, seed=True)), "seed must be an int"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logprobs=True)), "logprobs must be None or an"),
-        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(stop=None)), "stop must be a str or a list"),
+        (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(stop=3)), "stop must be a str or a list"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(logit_bias=[3])), "logit_bias must map"),
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(ignore_eos=1)), "ignore_eos must be True or"),
     ],
@@ -566,6 +566,11 @@ def test_metrics_add_up(engine):
 def test_bad_input_raises_a_clear_error(engine, call, message):
     with pytest.raises(InvalidRequestError, match=message):
         call(engine)
+
+
+def test_none_for_a_list_option_means_none_as_in_vllm():
+    given = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None, bad_words=None, bad_words_ids=None)
+    assert given == SamplingParams()
 
 
 def test_a_number_given_as_a_huge_int_is_taken_as_its_float(engine):
