@@ -109,11 +109,13 @@ def test_a_store_that_cannot_save_now_fails_no_request_and_is_written_later(engi
     what was learned saved at the next save that works."""
     from sqlalchemy.exc import OperationalError
 
+    def locked(*args, **kwargs):
+        raise OperationalError("INSERT", {}, Exception("database is locked"))
+
     with Store(f"sqlite:///{tmp_path / 'busy.db'}") as store:
         ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("ngram", 3)], save_every=1)
         with monkeypatch.context() as busy:
-            busy.setattr(store, "save_policy_state", lambda *a, **k: (_ for _ in ()).throw(
-                OperationalError("INSERT", {}, Exception("database is locked"))))
+            busy.setattr(store, "save_policy_state", locked)
             results = [ctl.generate(p, request_class="code", max_new_tokens=8) for p in PROMPTS[:3]]
         assert [len(r.tokens) for r in results] == [8, 8, 8]
         assert "the policy state could not be saved (kept, saved again later)" in caplog.text
