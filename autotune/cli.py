@@ -174,7 +174,9 @@ def cmd_bench(args) -> None:
         if args.what == "store":
             result = bench.bench_store(1000 if args.quick else 5000)
         else:
-            result = bench.bench_decisions(decisions=300 if args.quick else 3000, warmup=100 if args.quick else 500)
+            steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
+            result = bench.bench_decisions(**steps)
+            result["many_classes"] = bench.bench_decisions(**steps, classes=tuple(f"tenant-{i}" for i in range(1000)))
         print(json.dumps(result, indent=2))
         return _emit(result, args.json)
     from engine import Arm

@@ -36,7 +36,6 @@ class _Ticket:
 
     group: Hashable
     item: Any
-    done: bool = False
     result: Any = None
     error: BaseException | None = None
     ready: threading.Event = field(default_factory=threading.Event)
@@ -46,36 +45,50 @@ class _Ticket:
             self.error = outcome
         else:
             self.result = outcome
-        self.done = True
         self.ready.set()
 
 
 class Batch:
-    """A batch being served: its items, the waiting requests it may take in, and early answers."""
+    """A batch being served: the items whose callers still wait, the waiting requests it may
+    take in, and early answers. Items are numbered in the order they came (those it was formed
+    with, then those it took in); an answered item's ticket is dropped, so a continuous batch
+    that lives as long as the load does keeps only its open items (it used to keep every ticket
+    it ever took: a body of 20,000 prompts took 447 s against 2 s for 1,000, each round listing
+    them all)."""
 
     def __init__(self, coalescer: Coalescer, group: Hashable, tickets: list[_Ticket]) -> None:
         self._coalescer = coalescer
         self.group = group
-        self._tickets = tickets
+        self._open = dict(enumerate(tickets))  # item index -> ticket, until its caller has its outcome
+        self.size = len(tickets)  # items so far, answered or not
 
     @classmethod
     def of(cls, items: list, group: Hashable = None) -> Batch:
         """A batch of these items outside any queue: nothing waits to join it."""
         return cls(Coalescer(lambda group, batch: [], 1), group, [_Ticket(group, item) for item in items])
 
-    @property
-    def items(self) -> list:
-        """The batch's items: those it was formed with, then those it took in, in order."""
-        return [t.item for t in self._tickets]
+    def pending(self) -> dict[int, Any]:
+        """The items whose callers still wait for their outcome, by index, in order."""
+        with self._coalescer._cv:
+            return {index: t.item for index, t in self._open.items()}
 
     def join(self, limit: int, accept: Callable[[Any], bool] = lambda item: True) -> list:
         """Up to `limit` requests of the batch's group waiting now, oldest first, that `accept`
-        takes (the others go on waiting): they become the batch's next items."""
+        takes (the others go on waiting): they become the batch's next items, numbered from the
+        batch's size before the call."""
         with self._coalescer._cv:
-            taken = [t for t in self._coalescer._queue if t.group == self.group and accept(t.item)][:max(limit, 0)]
-            ids = {id(t) for t in taken}
-            self._coalescer._queue = [t for t in self._coalescer._queue if id(t) not in ids]
-            self._tickets += taken
+            taken = []
+            for t in self._coalescer._queue:
+                if len(taken) >= limit:
+                    break
+                if t.group == self.group and accept(t.item):
+                    taken.append(t)
+            if taken:
+                ids = {id(t) for t in taken}
+                self._coalescer._queue = [t for t in self._coalescer._queue if id(t) not in ids]
+            for t in taken:
+                self._open[self.size] = t
+                self.size += 1
         return [t.item for t in taken]
 
     def waiting(self) -> list:
@@ -83,24 +96,20 @@ class Batch:
         with self._coalescer._cv:
             return [t.item for t in self._coalescer._queue if t.group == self.group]
 
-    def answered(self, index: int) -> bool:
-        """Whether item `index`'s caller already has its outcome (`deliver`)."""
-        with self._coalescer._cv:
-            return self._tickets[index].done
-
     def deliver(self, index: int, outcome: Any) -> None:
         """Hand item `index`'s caller its outcome (a result, or an exception to raise) now."""
         with self._coalescer._cv:
-            self._tickets[index].settle(outcome)
+            self._open.pop(index).settle(outcome)
 
 
 class Coalescer:
     """`submit(group, item)` from any thread; `serve(group, batch)` runs for batches of one group.
 
-    `serve` returns one outcome per item of the `Batch` (those it took in included), in order:
-    a result, or an exception to raise in that item's caller (so one bad request fails
-    alone); an item already answered through `Batch.deliver` keeps that answer. An exception
-    from `serve` itself fails every caller of that batch still waiting.
+    `serve` answers each item of the `Batch` (those it took in included): through
+    `Batch.deliver` as it goes, or in the list it returns, item i's outcome at index i, for the
+    items not delivered. An outcome is a result, or an exception to raise in that item's
+    caller (so one bad request fails alone). An exception from `serve` itself fails every
+    caller of that batch still waiting.
     """
 
     def __init__(self, serve: Callable[[Hashable, Batch], list], max_batch: int, wait_s: float = 0.002) -> None:
@@ -121,13 +130,10 @@ class Coalescer:
             self._queue.append(ticket)
             self._cv.notify_all()  # a worker gathering a batch may wait for more
             self._start_worker()
-        ticket.ready.wait()
-        with self._cv:  # a continuous batch may outlive this call by far: it keeps nothing of it
-            error, result = ticket.error, ticket.result
-            ticket.item = ticket.result = ticket.error = None
-        if error is not None:
-            raise error
-        return result
+        ticket.ready.wait()  # once answered, the ticket is the caller's alone (`Batch.deliver` dropped it)
+        if ticket.error is not None:
+            raise ticket.error
+        return ticket.result
 
     def _start_worker(self) -> None:
         """Unless one serves, start a worker (called holding the lock). One that serves stops
@@ -152,11 +158,12 @@ class Coalescer:
             try:
                 outcomes = self._serve(served.group, served)
             except BaseException as exc:  # every caller of this batch hears of it
-                outcomes = [exc] * len(served._tickets)
+                outcomes = [exc] * served.size
             with self._cv:
-                for t, outcome in zip(served._tickets, outcomes, strict=True):
-                    if not t.done:
-                        t.settle(outcome)
+                for index, t in served._open.items():
+                    t.settle(outcomes[index] if index < len(outcomes) else
+                             RuntimeError("the batch ended without an outcome for this request"))
+                served._open.clear()
                 self._last_batch = len(batch)
 
     def idle(self) -> None:

@@ -221,8 +221,10 @@ class AutotuneController:
             engine.check_batch_request(1, OFF, 1)
         except InvalidRequestError:  # e.g. linear-attention layers: requests are served one at a time
             self._pausable = False
+        # The requests worth having in flight at once: a batch being served and the next one
+        # gathering. agenerate's threads, and a server's per client request, are bounded by it.
+        self.in_flight = max(4, 2 * max_batch)
         self._threads: ThreadPoolExecutor | None = None  # agenerate's, made on first use
-        self._threads_size = max(4, 2 * max_batch)  # a batch being served and the next one gathering
         if store is not None:
             for record in engine.model_records:
                 store.register_model(**record)
@@ -302,7 +304,7 @@ class AutotuneController:
         would otherwise decode to the end for no one."""
         with self._policy_lock:
             if self._threads is None:
-                self._threads = ThreadPoolExecutor(self._threads_size, thread_name_prefix="autotune")
+                self._threads = ThreadPoolExecutor(self.in_flight, thread_name_prefix="autotune")
         cancelled = threading.Event()
         kwargs["streamer"] = Cancellable(kwargs.get("streamer"), cancelled)
         call = functools.partial(self.generate, prompt, request_class, **kwargs)
@@ -355,7 +357,7 @@ class AutotuneController:
         its requests not yet answered are served alone, each with its own outcome: nothing is
         lost to another request's fault. A request whose stream had begun is not served again
         (its client would see its output twice): it gets the batch's error."""
-        items = batch.items
+        items = list(batch.pending().values())
         ids, classes, classified, limits, sampling, streamers, arrived = (list(column) for column in zip(*items))
         try:
             if self.continuous and len(items) > 1:
@@ -363,22 +365,17 @@ class AutotuneController:
             return self._serve(ids, classes, limits, sampling, streamers, arrived, classified,
                                batch if self._pausable else None)
         except Exception as exc:
-            if len(batch.items) == 1:  # (a paused request's joiners are items too)
+            if batch.size == 1:  # (a paused request's joiners are items too)
                 raise
             failure = exc
-        outcomes = []
-        for index, item in enumerate(batch.items):
-            if batch.answered(index):  # one delivered keeps its answer (its caller may have let go of the item)
-                outcomes.append(failure)
-                continue
-            one, cls, was_classified, limit, sp, streamer, since = item
+        outcomes: list = [failure] * batch.size  # one delivered keeps its answer
+        for index, (one, cls, was_classified, limit, sp, streamer, since) in batch.pending().items():
             if getattr(streamer, "started", False):
-                outcomes.append(failure)  # one streamed gets the error
-                continue
+                continue  # one streamed gets the error
             try:
-                outcomes.append(self._serve([one], [cls], [limit], [sp], [streamer], [since], [was_classified])[0])
+                outcomes[index] = self._serve([one], [cls], [limit], [sp], [streamer], [since], [was_classified])[0]
             except Exception as exc:
-                outcomes.append(exc)
+                outcomes[index] = exc
         return outcomes
 
     def _classify(self, features: dict) -> str:
@@ -485,7 +482,7 @@ class AutotuneController:
                     except Exception as alone:
                         take_apart(t, [item], alone)
 
-            first = batch.items
+            first = list(batch.pending().values())
             started = time.perf_counter()
             coming = batch.waiting()[:self._coalescer.max_batch - 1] if resumed is not None else []
             classes = [cls for _, cls, *_ in first + coming]
@@ -504,7 +501,7 @@ class AutotuneController:
             while True:
                 room = self._coalescer.max_batch - session.live_rows - session.prefilling
                 if room > 0 and (joining := batch.join(room, functools.partial(self._fits, session.arm))):
-                    start = len(batch.items) - len(joining)
+                    start = batch.size - len(joining)
                     try:
                         take(start, joining)
                     except Exception as exc:
@@ -541,8 +538,7 @@ class AutotuneController:
                 session.step()
             self._learn_segment(segment, session)
             session.close()
-        # Every outcome was delivered as it came; the coalescer settles only items that were not.
-        return [RuntimeError("the batch ended without serving this request")] * len(batch.items)
+        return []  # every outcome was delivered as it came
 
     def _decide(self, context: Context) -> tuple[Context, Arm]:
         with self._policy_lock:
@@ -746,15 +742,13 @@ class AutotuneController:
 
     def _save_locked(self) -> None:
         state = self.policy.state_dict()
-        policy_wide = {key for key in state if "@" not in key}  # e.g. the contextual history
-        for key in sorted(self._dirty | policy_wide):
-            if key in state:
-                self.store.save_policy_state(self.policy.name, key, state[key])
-            if key in self.baselines:
-                self.store.save_policy_state(BASELINE_POLICY, key, {"off_step": self.baselines[key],
-                                                                     "served": self._served.get(key, 0)})
-        for bucket, costs in self.costs.items():
-            self.store.save_policy_state(COSTS_POLICY, bucket, costs.state_dict())
+        keys = sorted(self._dirty | {key for key in state if "@" not in key})  # policy-wide: e.g. contextual's history
+        self.store.save_policy_states({
+            self.policy.name: {key: state[key] for key in keys if key in state},
+            BASELINE_POLICY: {key: {"off_step": self.baselines[key], "served": self._served.get(key, 0)}
+                              for key in keys if key in self.baselines},
+            COSTS_POLICY: {bucket: costs.state_dict() for bucket, costs in self.costs.items()},
+        })
         self._dirty.clear()
 
     def save(self) -> None:

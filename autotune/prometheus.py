@@ -142,22 +142,24 @@ class ServedCounters:
 
 
 class RequestClock:
-    """When a request was handed to the controller and when its output tokens came: the
-    streamer of a served request calls `tick` at each put (the first is its prompt)."""
+    """When a request was handed to the controller and when its output tokens came: its
+    streamer calls `prompt` when its prompt is put, and `tick` when output tokens are."""
 
     def __init__(self) -> None:
         self.since = time.perf_counter()
-        self.puts = 0
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
 
+    def prompt(self) -> None:
+        """It is being served, again if its batch failed and it is served alone: the output
+        that counts starts over (a first attempt's tokens used to stand as its first token)."""
+        self.first_token_at = self.last_token_at = None
+
     def tick(self) -> None:
         now = time.perf_counter()
-        self.puts += 1
-        if self.puts == 2:
+        if self.first_token_at is None:
             self.first_token_at = now
-        if self.puts >= 2:
-            self.last_token_at = now
+        self.last_token_at = now
 
 
 def _tags(labels: tuple[str, ...], key: tuple[str, ...]) -> str:

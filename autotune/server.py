@@ -5,8 +5,9 @@ Clients written for vLLM, SGLang or OpenAI's API send `POST /v1/completions` or
 and request class it chose in each choice's `autotune` field (vLLM's `/tokenize` and
 `/detokenize` show the token ids those endpoints serve). Each HTTP request is handled on
 a thread of its own and each of its choices (its prompts times `n`) is one
-`controller.generate` call, on a thread of its own too, so choices and requests that arrive
-together are batched by the controller's coalescer (`max_batch`). Anything refused (an
+`controller.generate` call, on a few threads of its own too (at most the controller's
+`in_flight`), so choices and requests that arrive together are batched by the controller's
+coalescer (`max_batch`). Anything refused (an
 unknown field, a value of the wrong type, an empty prompt, one longer than the context, ...)
 gets OpenAI's error body naming the problem before anything is decoded or streamed.
 Standard library only (http.server): nothing new to install and nothing in the decode loop.
@@ -25,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -128,7 +130,10 @@ class ClientWatch:
     def put(self, value: torch.Tensor) -> None:
         if self.gone.is_set():
             raise ConnectionResetError("the client went away")
-        self.clock.tick()
+        if value.dim() == 2:  # the prompt, [1, prompt_len] (transformers' streamer protocol)
+            self.clock.prompt()
+        else:
+            self.clock.tick()
 
     def end(self) -> None:
         pass
@@ -152,7 +157,7 @@ class TokenEvents(ClientWatch):
 
     def put(self, value: torch.Tensor) -> None:
         super().put(value)
-        if self.clock.puts == 1:  # the first put is the prompt (transformers' streamer protocol)
+        if value.dim() == 2:  # the prompt
             return
         self.events.put(("tokens", self.index, (value.reshape(-1).tolist(), self.entries)))
         self.entries = []
@@ -354,9 +359,7 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception as exc:
                 results[i] = exc
 
-        threads = [threading.Thread(target=serve, args=(i,), daemon=True) for i in range(len(rows))]
-        for thread in threads:
-            thread.start()
+        threads = self._each_choice(len(rows), serve, gone)
         for thread in threads:
             thread.join(CLIENT_POLL_S)
             while thread.is_alive():
@@ -366,6 +369,28 @@ class _Handler(BaseHTTPRequestHandler):
         if failed := next((r for r in results if isinstance(r, Exception)), None):
             raise failed
         return results
+
+    def _each_choice(self, count: int, serve: Callable[[int], None], gone: threading.Event) -> list[threading.Thread]:
+        """Serve choices 0 to count - 1, `serve(i)` each, on at most the controller's `in_flight`
+        threads, each taking the next choice when its last is done, and none once `gone` is set
+        (the client left). A thread per choice had a body of 20,000 prompts run 15,000 threads,
+        and put all of them in the queue ahead of other clients' requests."""
+        choices = iter(range(count))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while not gone.is_set():
+                with lock:
+                    i = next(choices, None)
+                if i is None:
+                    return
+                serve(i)
+
+        threads = [threading.Thread(target=work, daemon=True)
+                   for _ in range(min(count, self.server.controller.in_flight))]
+        for thread in threads:
+            thread.start()
+        return threads
 
     def _client_gone(self) -> bool:
         """Whether the client has closed its end of the connection (a read finds its end, not a
@@ -392,8 +417,7 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception as exc:
                 events.put(("failed", i, exc))
 
-        for i in range(len(rows)):
-            threading.Thread(target=serve, args=(i,), daemon=True).start()
+        self._each_choice(len(rows), serve, gone)
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")

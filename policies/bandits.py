@@ -93,9 +93,11 @@ class ArmTable:
 class LoadTotals:
     """Each arm's count and sum of rewards, and the sum of pooled variances, over every key at one load.
 
-    A decision needs the other keys' evidence at its load; summing them per decision cost
-    O(keys x arms) of Python on the request's path (0.3 ms at 12 keys and 31 arms). With the
-    totals built once per update, after a request is served, a decision subtracts its own key.
+    A decision needs the other keys' evidence at its load: it subtracts its own key from these.
+    They are kept up to date as keys change (an update takes its key's sums out and puts the
+    new ones in, O(arms)), and summed afresh once as many updates as there are keys have gone
+    by, so rounding cannot pile up. Summed afresh at every update, they cost O(keys x arms) on
+    every request's path: 5.1 ms an update with 1,500 classes of 13 arms.
     """
 
     def __init__(self, tables: list[ArmTable], arms: list[str]) -> None:
@@ -103,13 +105,25 @@ class LoadTotals:
         self.s = {a: sum(t.rows[a][1] for t in tables) for a in arms}
         self.variance = sum(t.pooled_variance() for t in tables)
         self.keys = len(tables)
+        self.changes = 0  # updates taken in since summed afresh
+
+    def add(self, table: ArmTable, sign: float = 1.0) -> None:
+        """Put a key's sums in (sign -1: take them out); the count of keys is the caller's."""
+        for arm, (n, s, _) in table.rows.items():
+            self.n[arm] += sign * n
+            self.s[arm] += sign * s
+        self.variance += sign * table.pooled_variance()
+
+    def means(self) -> dict[str, float]:
+        """Each arm's mean over the keys (arms with evidence)."""
+        return {arm: self.s[arm] / n for arm, n in self.n.items() if n > 1e-9}
 
     def without(self, table: ArmTable) -> tuple[dict[str, float], float | None]:
         """The other keys' mean per arm (arms with evidence) and their mean variance (None: no other key)."""
         means = {}
         for arm, (n, s, _) in table.rows.items():
             rest = self.n[arm] - n
-            if rest > 1e-9:
+            if rest > 1e-9 * max(1.0, self.n[arm]):  # relative: what is left of rounding is no evidence
                 means[arm] = (self.s[arm] - s) / rest
         if self.keys <= 1:
             return means, None
@@ -158,12 +172,15 @@ class BanditPolicy(Policy):
             source, variance = explicit, PRIOR_VARIANCE
         else:
             # Costs follow the load, acceptance the class: other classes at this load first.
-            load = _load_of(context.key)
-            same_load = [t for k, t in self.tables.items() if _load_of(k) == load]
-            same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
-            tables = same_load or same_class or list(self.tables.values())
-            source = self._pooled(tables)
-            variance = sum(t.pooled_variance() for t in tables) / len(tables) if tables else PRIOR_VARIANCE
+            same_load = self._load_totals(_load_of(context.key))
+            if same_load.keys:
+                source = {arm: (mean, self.prior_weight) for arm, mean in same_load.means().items()}
+                variance = same_load.variance / same_load.keys
+            else:
+                same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
+                tables = same_class or list(self.tables.values())
+                source = self._pooled(tables)
+                variance = sum(t.pooled_variance() for t in tables) / len(tables) if tables else PRIOR_VARIANCE
         for arm, (mean, weight) in source.items():
             if arm in table.rows and weight > 0:
                 # Pseudo-observations at the prior mean, spread like the source's rewards.
@@ -180,8 +197,10 @@ class BanditPolicy(Policy):
 
     def table(self, context: Context) -> ArmTable:
         if context.key not in self.tables:
-            self.tables[context.key] = self._new_table(context)
-            self._totals.pop(_load_of(context.key), None)
+            totals = self._load_totals(_load_of(context.key))  # the others', before this key joins
+            table = self.tables[context.key] = self._new_table(context)
+            totals.add(table)
+            totals.keys += 1
         return self.tables[context.key]
 
     def _load_totals(self, load: str) -> LoadTotals:
@@ -272,14 +291,19 @@ class BanditPolicy(Policy):
 
     def update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
         table = self.table(context)
+        load = _load_of(context.key)
+        totals = self._load_totals(load)
+        totals.add(table, -1.0)
         table.update(str(arm), outcome.reward, self.discount, outcome.siblings)
+        totals.add(table)
+        totals.changes += 1
+        if totals.changes >= totals.keys:
+            del self._totals[load]  # summed afresh (`_load_totals`)
         if self.safety is not None:
             # OFF is the baseline: it earns exactly `safety`, whatever noise its own timing had.
             earned = 1.0 if arm.is_off else outcome.reward
             table.margin = table.margin * self.discount + earned - (1.0 - self.safety)
-        load = _load_of(context.key)
-        self._totals.pop(load, None)
-        self._load_totals(load)  # rebuilt now, after the request was served, not in the next decision
+        self._load_totals(load)  # if summed afresh, now: after the request was served, not in the next decision
 
     # ----- persistence --------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict]:

@@ -250,23 +250,34 @@ class Store:
     # ----- policy state --------------------------------------------------------------------
     def save_policy_state(self, policy: str, request_class: str, state: dict, keep: int = 200) -> int:
         """Append a new version of a policy's state for a class (keeping the newest `keep`)."""
+        return self.save_policy_states({policy: {request_class: state}}, keep)[policy][request_class]
+
+    def save_policy_states(self, states: dict[str, dict[str, dict]], keep: int = 200) -> dict[str, dict[str, int]]:
+        """`save_policy_state` for {policy: {class: state}}, in one transaction: a reader (a
+        restarted controller) sees all of a save or none of it, and one transaction per class
+        took 0.65 ms each, 17 ms for the 25 classes a controller may save at once, holding its
+        policy lock. Returns the version saved, {policy: {class: version}}."""
+        saved: dict[str, dict[str, int]] = {}
         with self.engine.begin() as conn:
-            last = conn.execute(
-                select(func.max(PolicyState.version)).where(
-                    PolicyState.policy == policy, PolicyState.request_class == request_class
-                )
-            ).scalar()
-            version = (last or 0) + 1
-            conn.execute(
-                insert(PolicyState).values(
-                    policy=policy, request_class=request_class, version=version, saved_at=time.time(), state=state
-                )
-            )
-            conn.execute(PolicyState.__table__.delete().where(
-                PolicyState.policy == policy, PolicyState.request_class == request_class,
-                PolicyState.version <= version - keep,
-            ))
-        return version
+            for policy, by_class in states.items():
+                if not by_class:
+                    continue
+                last = dict(conn.execute(
+                    select(PolicyState.request_class, func.max(PolicyState.version))
+                    .where(PolicyState.policy == policy, PolicyState.request_class.in_(list(by_class)))
+                    .group_by(PolicyState.request_class)
+                ).all())
+                versions = saved[policy] = {key: last.get(key, 0) + 1 for key in by_class}
+                now = time.time()
+                conn.execute(insert(PolicyState), [
+                    {"policy": policy, "request_class": key, "version": versions[key], "saved_at": now, "state": state}
+                    for key, state in by_class.items()])
+                for key, version in versions.items():
+                    conn.execute(PolicyState.__table__.delete().where(
+                        PolicyState.policy == policy, PolicyState.request_class == key,
+                        PolicyState.version <= version - keep,
+                    ))
+        return saved
 
     def load_policy_states(self, policy: str) -> dict[str, dict]:
         """Newest saved state of `policy` for every class: {class: state}."""

@@ -13,7 +13,7 @@ def test_waiting_requests_of_a_group_are_served_together_in_arrival_order():
     batches = []
 
     def serve(group, batch):
-        items = batch.items
+        items = list(batch.pending().values())
         batches.append((group, list(items)))
         if len(batches) == 1:
             release.wait(5)  # the first batch is still being served while the others arrive
@@ -48,10 +48,10 @@ def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_still_runs
     calls = []
 
     def serve(group, batch):
-        calls.append(batch.items)
+        calls.append(list(batch.pending().values()))
         if len(calls) == 1:
             raise RuntimeError("engine down")
-        return batch.items
+        return calls[-1]
 
     coalescer = Coalescer(serve, max_batch=2)
     with pytest.raises(RuntimeError, match="engine down"):
@@ -61,26 +61,32 @@ def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_still_runs
 
 def test_a_batch_takes_in_requests_arriving_while_it_is_served_and_answers_each_when_done():
     """The first request's caller gets its answer while its batch goes on (a worker serves, not
-    the caller: a continuous batch may never end), and the batch keeps nothing of that call."""
+    the caller: a continuous batch may never end), and the batch keeps nothing of that call.
+    A request left without an outcome gets an error, not a wait."""
     batches, joined, outcomes, kept = [], [], {}, []
     first_answered = threading.Event()
 
     def serve(group, batch):
-        batches.append((group, batch.items))
-        if batch.items == [0]:
+        items = batch.pending()
+        batches.append((group, list(items.values())))
+        if items == {0: 0}:
             deadline = time.monotonic() + 5
             while len(coalescer._queue) < 3 and time.monotonic() < deadline:
                 time.sleep(0.001)  # requests 1 (g), 2 (h) and 3 (g) arrive while 0 is served
             joined.extend(batch.join(5, accept=lambda item: item != 3))  # 2: another group; 3: refused
             batch.deliver(0, "early 0")
             # its caller has its answer while the batch goes on (callers do not serve batches)
-            kept.append((first_answered.wait(5), batch.items[0]))
-        return [f"{group}{i}" for i in batch.items]
+            kept.append((first_answered.wait(5), batch.pending(), batch.size))
+            return []  # item 1 (joined) was neither delivered nor answered here
+        return [f"{group}{item}" for item in items.values()]
 
     coalescer = Coalescer(serve, max_batch=8, wait_s=0.0)
 
     def call(group, item):
-        outcomes[item] = coalescer.submit(group, item)
+        try:
+            outcomes[item] = coalescer.submit(group, item)
+        except RuntimeError as exc:
+            outcomes[item] = str(exc)
         if item == 0:
             first_answered.set()
 
@@ -93,6 +99,39 @@ def test_a_batch_takes_in_requests_arriving_while_it_is_served_and_answers_each_
         threads[-1].start()
     for t in threads:
         t.join(5)
-    assert joined == [1] and kept == [(True, None)]
-    assert outcomes == {0: "early 0", 1: "g1", 2: "h2", 3: "g3"}
+    assert joined == [1] and kept == [(True, {1: 1}, 2)]
+    assert outcomes == {0: "early 0", 1: "the batch ended without an outcome for this request", 2: "h2", 3: "g3"}
     assert batches[0] == ("g", [0]) and sorted(batches[1:]) == [("g", [3]), ("h", [2])]  # 1 rode with 0
+
+
+def test_a_batch_that_lives_as_long_as_the_load_keeps_only_requests_not_yet_answered():
+    """A continuous batch takes requests in and answers them one by one for as long as they come:
+    it holds those still waiting, not every one it served (it used to list them all each round)."""
+    still_open = []
+
+    def serve(group, batch):
+        batch.deliver(0, "first")
+        deadline = time.monotonic() + 5
+        while batch.size < 30 and time.monotonic() < deadline:
+            for item in batch.join(1):
+                still_open.append(len(batch.pending()))
+                batch.deliver(batch.size - 1, item * 10)
+            time.sleep(0.001)
+        still_open.append(len(batch.pending()))
+        return []
+
+    coalescer = Coalescer(serve, max_batch=1, wait_s=0.0)
+    outcomes = {}
+
+    def call(item):
+        outcomes[item] = coalescer.submit("g", item)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    coalescer.idle()  # every caller has its answer before the batch ends
+    first = next(i for i, o in outcomes.items() if o == "first")
+    assert outcomes == {i: "first" if i == first else i * 10 for i in range(30)}
+    assert still_open == [1] * 29 + [0]

@@ -115,7 +115,7 @@ def test_a_store_that_cannot_save_now_fails_no_request_and_is_written_later(engi
     with Store(f"sqlite:///{tmp_path / 'busy.db'}") as store:
         ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("ngram", 3)], save_every=1)
         with monkeypatch.context() as busy:
-            busy.setattr(store, "save_policy_state", locked)
+            busy.setattr(store, "save_policy_states", locked)
             results = [ctl.generate(p, request_class="code", max_new_tokens=8) for p in PROMPTS[:3]]
         assert [len(r.tokens) for r in results] == [8, 8, 8]
         assert "the policy state could not be saved (kept, saved again later)" in caplog.text

@@ -420,6 +420,51 @@ def test_a_client_that_disconnects_stops_its_request(served, tmp_path, stream):
     assert observation["new_tokens"] < 200
 
 
+def test_a_body_of_many_prompts_runs_a_few_at_a_time_and_stops_when_its_client_leaves(served, tmp_path):
+    """Its choices are served in order on at most the controller's `in_flight` threads; once its
+    client leaves, those not begun are never served (one thread per choice began them all)."""
+    import socket
+    import time
+
+    engine, _ = served
+    with Store(f"sqlite:///{tmp_path / 'many.db'}") as store:
+        controller = AutotuneController(engine, store, policy="static", arms=[OFF], arm=OFF, max_batch=2)
+        server = CompletionServer(controller, ("127.0.0.1", 0))
+        running, peak, lock = [0], [0], threading.Lock()
+        serve = server.serve
+
+        def counted(*args):
+            with lock:
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            try:
+                return serve(*args)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        server.serve = counted
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{server.server_port}"
+        prompts = [PROMPTS[i % 3] + "x" * i for i in range(12)]
+        status, body = post(base, {"prompt": prompts, "max_tokens": 4, "temperature": 0})
+        assert status == 200 and [c["text"] for c in body["choices"]] == [alone(engine, p, 4).text for p in prompts]
+        assert 2 <= peak[0] <= controller.in_flight == 4
+        served_before = store.count()
+
+        body = json.dumps({"prompt": [PROMPTS[0]] * 40, "max_tokens": 200, "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", server.server_port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen, still = store.count(), 0
+        while still < 20:  # until nothing new is written for a second
+            time.sleep(0.05)
+            seen, still = store.count(), still + 1 if store.count() == seen else 0
+        server.shutdown()
+        server.server_close()
+        left = store.observations()[served_before:]
+    assert 1 <= len(left) <= 4 and all("the client went away" in o["stream_error"] for o in left)
+
+
 def test_a_streamed_client_that_leaves_before_its_first_token_stops_its_request_at_once(served, tmp_path):
     """A streamed request waits for the engine (one request at a time) while another decodes;
     its client leaves meanwhile. Nothing is written to it, so no failed write can tell: the
@@ -525,13 +570,22 @@ def test_metrics_count_what_was_served_by_class_and_arm_in_prometheus_text(serve
 
 
 def test_metrics_histograms_bucket_each_latency_and_gauges_count_requests_in_flight():
+    import torch
+
+    from autotune.server import ClientWatch
+
     counters, waiting, running = ServedCounters(), RequestClock(), RequestClock()
     counters.begin(waiting)
     counters.begin(running)
-    running.tick()  # the prompt: prefilled, no output token yet
+    watch = ClientWatch(threading.Event())
+    watch.clock = running
+    watch.put(torch.tensor([[5, 6, 7]]))  # the prompt: prefilled, no output token yet
     assert "autotune_requests_running 0\nautotune_requests_waiting 2" in _gauges(counters)
-    running.tick()  # its first output token
+    watch.put(torch.tensor([8]))  # its first output token
     assert "autotune_requests_running 1\nautotune_requests_waiting 1" in _gauges(counters)
+    watch.put(torch.tensor([[5, 6, 7]]))  # its batch failed: it is served alone, from its prompt again
+    assert "autotune_requests_running 0\nautotune_requests_waiting 2" in _gauges(counters)
+    watch.put(torch.tensor([8]))
     counters.end(running)
     running.since, running.first_token_at, running.last_token_at = 0.0, 0.05, 1.05  # 9 tokens: 0.125 s apart
     result = ControlledResult(None, [1] * 9, "code", Arm("self", 3), GenerationMetrics(new_tokens=9), goodput=0.0,

@@ -128,6 +128,22 @@ def test_policy_state_round_trip_resumes_newest_version(tmp_path):
         assert s.count() == 10
 
 
+def test_a_save_of_several_policies_and_classes_is_one_transaction(tmp_path):
+    """What a controller saves at once (its policy's classes, their OFF baselines, its costs)
+    lands whole or not at all, each class a version past its last, the newest `keep` kept."""
+    with Store(f"sqlite:///{tmp_path / 'p.db'}") as s:
+        s.save_policy_state("ucb", "code", {"v": 1})
+        assert s.save_policy_states({"ucb": {"code": {"v": 2}, "docs": {"v": 1}}, "off": {"code": {"n": 3}}},
+                                    keep=1) == {"ucb": {"code": 2, "docs": 1}, "off": {"code": 1}}
+        with pytest.raises(Exception, match="not JSON serializable"):  # the first policy is not saved either
+            s.save_policy_states({"ucb": {"code": {"v": 3}}, "off": {"code": {"n": object()}}})
+        assert s.load_policy_states("ucb") == {"code": {"v": 2}, "docs": {"v": 1}}
+        assert s.load_policy_states("off") == {"code": {"n": 3}}
+        with sqlite3.connect(tmp_path / "p.db") as conn:  # keep=1: ucb's first version of code is gone
+            rows = conn.execute("SELECT policy, version FROM autotune_policy_states WHERE request_class = 'code'")
+            assert sorted(rows.fetchall()) == [("off", 1), ("ucb", 2)]
+
+
 def test_aggregates_and_windows(tmp_path):
     with Store(f"sqlite:///{tmp_path / 'a.db'}") as s:
         for i in range(10):

@@ -4,7 +4,8 @@
 this isolates the policies' own bookkeeping on simulated traffic shaped like the demo's (four
 classes at three load buckets, OFF and five drafters at each of BENCH_KS), so a change to it
 shows without the engine in the way. A decision runs before the request's first token; an
-update runs after its last.
+update runs after its last. `classes` can be many: a server whose clients label requests per
+tenant or per user has a key for each, most of them new or rarely seen.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ REPLAYED = 8  # a key's first requests come with replayed estimates of the sibli
 
 
 def bench_decisions(policies=("ucb", "thompson", "contextual"), decisions: int = 3000, warmup: int = 500,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, classes: tuple[str, ...] = CLASSES) -> dict:
     arms = [OFF] + [Arm(d, k) for d in DRAFTERS for k in BENCH_KS]
-    result = {"arms": len(arms), "keys": len(CLASSES) * len(LOADS), "decisions": decisions, "policies": {}}
+    result = {"arms": len(arms), "keys": len(classes) * len(LOADS), "decisions": decisions, "policies": {}}
     for name in policies:
         rng = random.Random(seed)
-        means = {(c, str(a)): 1.0 if a.is_off else rng.uniform(0.6, 1.5) for c in CLASSES for a in arms}
+        means = {(c, str(a)): 1.0 if a.is_off else rng.uniform(0.6, 1.5) for c in classes for a in arms}
         contexts = [Context(c, load, {"prompt_tokens": rng.randint(20, 300), "max_new_tokens": 64,
                                       "temperature": 0.0, "top_p": 1.0, "ngram_overlap": rng.random()})
-                    for c in CLASSES for load in LOADS]
+                    for c in classes for load in LOADS]
         policy = make_policy(name, arms)
         served: dict[str, int] = {}
         choose_ms, update_ms = [], []
