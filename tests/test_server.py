@@ -465,6 +465,28 @@ def test_a_body_of_many_prompts_runs_a_few_at_a_time_and_stops_when_its_client_l
     assert 1 <= len(left) <= 4 and all("the client went away" in o["stream_error"] for o in left)
 
 
+def test_a_client_whose_connection_is_past_descriptor_1023_is_still_answered(served):
+    """A server with a thousand files and connections open: the client that waits is not taken
+    for one that left (select() refuses descriptors past 1,023, and that had read as gone)."""
+    import os
+
+    engine, base = served
+    held = []
+    try:
+        while not held or held[-1][1] < 1100:
+            held.append(os.pipe())
+    except OSError:  # a limit on open files below that: nothing to test here
+        pytest.skip("cannot open 1,100 files in this process")
+    try:
+        status, body = post(base, {"prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True, "temperature": 0})
+    finally:
+        for pipe in held:
+            os.close(pipe[0])
+            os.close(pipe[1])
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"] == alone(engine, PROMPTS[0], 120, ignore_eos=True).text
+
+
 def test_a_streamed_client_that_leaves_before_its_first_token_stops_its_request_at_once(served, tmp_path):
     """A streamed request waits for the engine (one request at a time) while another decodes;
     its client leaves meanwhile. Nothing is written to it, so no failed write can tell: the
