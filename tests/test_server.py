@@ -391,8 +391,8 @@ def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_stops_its_request(served, tmp_path, stream):
-    """Streamed, the client leaves once the stream has begun; waiting for the whole answer, right
-    after sending (vLLM aborts either): the request stops well before its 200 tokens."""
+    """The client leaves once its request has begun (its stream has, or its first token is
+    out), as vLLM aborts it: the request stops well before its 240 tokens."""
     import socket
     import time
 
@@ -401,15 +401,19 @@ def test_a_client_that_disconnects_stops_its_request(served, tmp_path, stream):
         controller = AutotuneController(engine, store, policy="static", arms=[OFF], arm=OFF, max_batch=4)
         server = CompletionServer(controller, ("127.0.0.1", 0))
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": stream}).encode()
+
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True, "stream": stream}).encode()
         with socket.create_connection(("127.0.0.1", server.server_port)) as client:
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             received = b""
-            while stream and b"data: {" not in received:  # the stream has begun: the client leaves
+            while stream and b"data: {" not in received:  # the stream has begun
                 chunk = client.recv(4096)
                 assert chunk, received
                 received += chunk
-        for _ in range(200):
+            deadline = time.monotonic() + 10
+            while "autotune_requests_running 1" not in server.counters.render() and time.monotonic() < deadline:
+                time.sleep(0.001)  # its first token is out
+        for _ in range(100):  # until it is recorded, or for 5 s
             if store.count():
                 break
             time.sleep(0.05)
@@ -417,7 +421,7 @@ def test_a_client_that_disconnects_stops_its_request(served, tmp_path, stream):
         server.server_close()
         [observation] = store.observations()
     assert "the client went away" in observation["stream_error"] and observation["finish_reason"] == "abort"
-    assert observation["new_tokens"] < 200
+    assert observation["new_tokens"] < 240
 
 
 def test_a_body_of_many_prompts_runs_a_few_at_a_time_and_stops_when_its_client_leaves(served, tmp_path):
@@ -462,7 +466,7 @@ def test_a_body_of_many_prompts_runs_a_few_at_a_time_and_stops_when_its_client_l
         server.shutdown()
         server.server_close()
         left = store.observations()[served_before:]
-    assert 1 <= len(left) <= 4 and all("the client went away" in o["stream_error"] for o in left)
+    assert len(left) <= 4 and all("the client went away" in o["stream_error"] for o in left)
 
 
 def test_a_client_whose_connection_is_past_descriptor_1023_is_still_answered(served):
@@ -490,8 +494,9 @@ def test_a_client_whose_connection_is_past_descriptor_1023_is_still_answered(ser
 def test_a_streamed_client_that_leaves_before_its_first_token_stops_its_request_at_once(served, tmp_path):
     """A streamed request waits for the engine (one request at a time) while another decodes;
     its client leaves meanwhile. Nothing is written to it, so no failed write can tell: the
-    handler looks at the socket, and the request stops at its first put (the prompt's), with
-    the one token its prefill drew, where it used to decode until its second write failed."""
+    server watches the socket, and the request stops at its first put (the prompt's), with
+    the one token its prefill drew, or is never begun if the hang-up is seen before it is, where
+    it used to decode until its second write failed."""
     import socket
     import time
 
@@ -514,15 +519,15 @@ def test_a_streamed_client_that_leaves_before_its_first_token_stops_its_request_
                 send(leaving, PROMPTS[0])
             while b"[DONE]" not in received:
                 received += busy.recv(4096)
-        for _ in range(200):
+        for _ in range(20):  # a second for the one that left to be recorded, if it was begun
             if store.count() == 2:
                 break
             time.sleep(0.05)
         server.shutdown()
         server.server_close()
-        done, left = store.observations()
+        done, *left = store.observations()
     assert done["new_tokens"] == 200 and done["stream_error"] is None
-    assert "the client went away" in left["stream_error"] and left["new_tokens"] == 1
+    assert len(left) <= 1 and all("the client went away" in o["stream_error"] and o["new_tokens"] == 1 for o in left)
 
 
 def test_clients_that_connect_together_all_get_answers(served):
