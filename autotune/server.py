@@ -69,6 +69,7 @@ class HangUpWatcher:
         self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def watch(self, connection: socket.socket, hung_up: Callable[[], None]) -> None:
         with self._lock:
@@ -84,8 +85,15 @@ class HangUpWatcher:
             except (KeyError, ValueError):  # told already (`_run` lets go of it), or closed
                 pass
 
+    def close(self) -> None:
+        """Stop watching (within a second) and let go of the selector."""
+        self._closed.set()
+        with self._lock:
+            if self._thread is None:
+                self._selector.close()
+
     def _run(self) -> None:
-        while True:
+        while not self._closed.is_set():
             for key, _ in self._selector.select(timeout=1.0):
                 try:  # readable: its end (gone), or more bytes (a next request: still there)
                     gone = not key.fileobj.recv(1, socket.MSG_PEEK)
@@ -94,6 +102,7 @@ class HangUpWatcher:
                 self.unwatch(key.fileobj)  # either way, or it would stay readable
                 if gone:
                     key.data()
+        self._selector.close()
 
 
 class CompletionServer(ThreadingHTTPServer):
@@ -118,6 +127,10 @@ class CompletionServer(ThreadingHTTPServer):
         self.counters = ServedCounters()
         self.hang_ups = HangUpWatcher()
         super().__init__(address, _Handler)
+
+    def server_close(self) -> None:
+        self.hang_ups.close()
+        super().server_close()
 
     def admit(self, request: ApiRequest) -> tuple[ApiRequest, list[list[int]]]:
         """The request with its length settled, and its prompts' token ids, or the refusal the
