@@ -77,15 +77,15 @@ class Batch:
         takes (the others go on waiting): they become the batch's next items, numbered from the
         batch's size before the call."""
         with self._coalescer._cv:
-            taken = []
-            for t in self._coalescer._queue:
-                if len(taken) >= limit:
+            queue, places = self._coalescer._queue, []
+            for place, t in enumerate(queue):
+                if len(places) >= limit:
                     break
                 if t.group == self.group and accept(t.item):
-                    taken.append(t)
-            if taken:
-                ids = {id(t) for t in taken}
-                self._coalescer._queue = [t for t in self._coalescer._queue if id(t) not in ids]
+                    places.append(place)
+            taken = [queue[place] for place in places]
+            for place in reversed(places):  # the oldest are taken: only the head is looked at, not the queue
+                del queue[place]
             for t in taken:
                 self._open[self.size] = t
                 self.size += 1
