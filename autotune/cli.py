@@ -270,6 +270,15 @@ def cmd_bench(args) -> None:
         result = bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
                                   32 if args.quick else None, batch=args.batch)
         _print_arms(result)
+    elif args.many_classes:
+        from autotune.bench.tenants import tenant_classes
+
+        classes = tenant_classes(_classes(args), 6 if args.quick else args.many_classes)
+        with _noise(args.noise, engine):
+            result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class,
+                                              policies=args.policies.split(","))
+        result["noise"] = args.noise
+        print(json.dumps(result, indent=2))
     else:
         from autotune.classes import Workload
 
@@ -291,12 +300,27 @@ def cmd_bench(args) -> None:
         flipped = {n_: (3.0 if i >= len(names) // 2 else 0.3) for i, n_ in enumerate(names)}
         unflipped = {n_: (0.3 if i >= len(names) // 2 else 3.0) for i, n_ in enumerate(names)}
         drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),), **load)
-        result = bench.bench_controller(engine, classes, truth, Workload(weights, n_requests=n, seed=0, **load),
-                                        Path(args.out), drift=None if args.no_drift else drift)
+        with _noise(args.noise, engine):
+            result = bench.bench_controller(engine, classes, truth, Workload(weights, n_requests=n, seed=0, **load),
+                                            Path(args.out), drift=None if args.no_drift else drift)
+        result["noise"] = args.noise
         result["ground_truth"] = {str(size): t for size, t in truth.items()}
         print(json.dumps({k: v for k, v in result.items() if k not in ("goodput", "ground_truth")}, indent=2))
         print(f"plots: {args.out}/controller_arms.png, {args.out}/controller_regret.png")
     _emit(result, args.json)
+
+
+def _noise(kind: str | None, engine):
+    """Other work beside the benchmark (`--noise`): bursts of slowed forwards, or CPU hogs."""
+    from contextlib import nullcontext
+
+    from autotune.bench.noise import CpuHog, InjectedDelays
+    from engine.drafters import model_drafter_of
+
+    if kind == "delays":
+        models = [engine.target, *{m.model for d in engine.drafters.values() if (m := model_drafter_of(d))}]
+        return InjectedDelays(models)
+    return CpuHog() if kind == "hog" else nullcontext()
 
 
 def _print_arms(result: dict) -> None:
@@ -424,6 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench concurrency, serve, prefix: client threads, each sending 4 requests one after another")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
+    p.add_argument("--many-classes", type=at_least(2), metavar="N",
+                   help="bench controller: N classes (the chosen ones, then sampled and short variants of them),"
+                        " a few requests each, every request served by every configuration, counted from the first")
+    p.add_argument("--per-class", type=at_least(1), default=8, help="bench controller --many-classes: requests per"
+                                                                    " class")
+    p.add_argument("--policies", default="ucb,contextual", help="bench controller --many-classes: policies compared")
+    p.add_argument("--noise", choices=["delays", "hog"],
+                   help="bench controller: a noisy machine, bursts of slowed forward passes (delays) or two"
+                        " processes keeping the cores busy (hog)")
     p.add_argument("--n", type=at_least(1), default=8, help="bench choices: choices per request")
     p.add_argument("--batch-size", type=at_least(1), default=16, help="bench lengths, longrun: requests per batch")
     p.add_argument("--prefill-chunk", type=at_least(1), nargs="+", default=[512, 2048], metavar="TOKENS",

@@ -28,8 +28,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch, Coalescer
@@ -50,9 +51,9 @@ from engine.streaming import Cancellable, EndsOnce, end_stream
 from policies import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_bucket, make_policy
 
 logger = logging.getLogger(__name__)
-BASELINE_POLICY = "__off_baseline__"
+SERVED_POLICY = "__served__"  # per key: requests served (how many replays it has had while learning)
 COSTS_POLICY = "__costs__"  # per load bucket: the measured draft and verify costs (CostModel)
-INTERNAL_POLICIES = (BASELINE_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
+INTERNAL_POLICIES = (SERVED_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_CLASS = "default"
 # The key of a coalesced batch whose requests are of several classes: one arm serves the whole
@@ -77,7 +78,7 @@ class ControlledResult:
     goodput: float
     reward: float
     decision_s: float
-    learn_s: float  # scoring other arms on this request after serving it (counterfactuals)
+    learn_s: float  # after serving it: scoring other arms on this request (replays), the update, a save
     load: int  # rows served together in each forward pass: 1 alone, the batch size in a batch
     gpu_util: float | None
     gpu_mem_mb: float | None
@@ -89,6 +90,9 @@ class ControlledResult:
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked for (SamplingParams.logprobs)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (SamplingParams.prompt_logprobs)
     finish_reason: str | None = None  # "stop", "length" or "abort" (GenerationResult.finish_reason)
+    # What the policy was told the arms not played would have scored on this request (replayed, or
+    # from its per-position acceptance): {arm: reward}; empty when it was told nothing more.
+    estimates: dict[str, float] = field(default_factory=dict)
 
 
 def _sampling(temperature: float, top_p: float, seed: int | None, options: dict) -> SamplingParams:
@@ -109,7 +113,7 @@ def _check_label(request_class: str | None) -> None:
 
 def _check_settings(max_batch: int, decide_every: int, save_every: int, min_baseline_steps: int,
                     counterfactual_requests: int, batch_wait_ms: float, counterfactual_budget: float,
-                    counterfactual_weight: float, baseline_discount: float, prefill_chunk: int | None) -> None:
+                    counterfactual_weight: float, prefill_chunk: int | None) -> None:
     """Refuse a controller setting out of its range by name: several would otherwise be taken
     silently (a negative wait) or fail only later, on another thread (save_every=0 at the
     first save, a fractional max_batch in the coalescer's thread, leaving its callers waiting)."""
@@ -125,8 +129,7 @@ def _check_settings(max_batch: int, decide_every: int, save_every: int, min_base
         raise ValueError(f"prefill_chunk must be a positive number of tokens or None, not {prefill_chunk!r}")
     for name, value, ok, what in [("batch_wait_ms", batch_wait_ms, lambda v: 0 <= v < math.inf, ">= 0 (finite)"),
                                   ("counterfactual_budget", counterfactual_budget, lambda v: v >= 0, ">= 0"),
-                                  ("counterfactual_weight", counterfactual_weight, lambda v: 0 <= v <= 1, "in [0, 1]"),
-                                  ("baseline_discount", baseline_discount, lambda v: 0 < v <= 1, "in (0, 1]")]:
+                                  ("counterfactual_weight", counterfactual_weight, lambda v: 0 <= v <= 1, "in [0, 1]")]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
             raise ValueError(f"{name} must be a number {what}, got {value!r}")
 
@@ -140,9 +143,8 @@ class AutotuneController:
         arms: list[Arm] | None = None,
         classifier: RequestClassifier | None = None,
         save_every: int = 25,
-        baseline_discount: float = 0.95,
-        min_baseline_steps: int = 32,
-        counterfactual_requests: int = 8,
+        min_baseline_steps: int = 16,
+        counterfactual_requests: int = 3,
         counterfactual_budget: float = 0.01,
         counterfactual_weight: float = 0.5,
         max_batch: int = 1,
@@ -157,8 +159,7 @@ class AutotuneController:
         _check_settings(max_batch=max_batch, decide_every=decide_every, save_every=save_every,
                         min_baseline_steps=min_baseline_steps, counterfactual_requests=counterfactual_requests,
                         batch_wait_ms=batch_wait_ms, counterfactual_budget=counterfactual_budget,
-                        counterfactual_weight=counterfactual_weight, baseline_discount=baseline_discount,
-                        prefill_chunk=prefill_chunk)
+                        counterfactual_weight=counterfactual_weight, prefill_chunk=prefill_chunk)
         self.engine = engine
         self.store = store
         arms = arms if arms is not None else default_arms(engine)
@@ -172,7 +173,8 @@ class AutotuneController:
         self.compile_report = engine.warm_up(self._reachable_arms())  # compiled engines: every graph, up front
         self.classifier = classifier
         self.save_every = save_every
-        self.baseline_discount = baseline_discount
+        # Rewards are speedups over OFF, priced from what an OFF step costs at the request's load:
+        # a learning policy plays OFF at a load until this many OFF steps ran there (any class).
         self.min_baseline_steps = min_baseline_steps
         # Requests also score every other arm (see counterfactual.py): all of a key's first
         # `counterfactual_requests` requests, while the policy is still learning; after that only
@@ -186,7 +188,6 @@ class AutotuneController:
         self.costs: dict[str, CostModel] = {}  # load bucket -> measured draft and verify costs
         self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
         self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning, last replay s
-        self.baselines: dict[str, list[float]] = {}  # key -> OFF decode [steps, seconds], discounted
         self.gpu = GpuMonitor()
         self._policy_lock = threading.Lock()
         self._engine_lock = threading.Lock()
@@ -229,9 +230,7 @@ class AutotuneController:
             for record in engine.model_records:
                 store.register_model(**record)
             self.policy.load_state_dict(store.load_policy_states(self.policy.name))
-            saved = store.load_policy_states(BASELINE_POLICY).items()
-            self.baselines = {k: list(v["off_step"]) for k, v in saved if "off_step" in v}
-            self._served = {k: int(v.get("served", 0)) for k, v in saved}
+            self._served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.costs = {bucket: CostModel.from_state(state)
                           for bucket, state in store.load_policy_states(COSTS_POLICY).items()}
 
@@ -395,13 +394,9 @@ class AutotuneController:
             classes, classified = [self._classify(features[0])] * load, [True] * load
         classified = classified or [False] * load
         context = Context(self._key(classes), load, features[0])
+        context, arm = self._decide(context, fits=lambda arm: all(
+            self._drafter_has_room(arm, i, limit, len(ids) > 1) for i, limit in zip(ids, limits)))
         with self._policy_lock:
-            arm = self.policy.choose(context)
-            if self.policy.learns and self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps:
-                arm = OFF  # rewards are relative to OFF: measure its step cost first, over enough steps
-            self._check_arm(arm)
-            if not all(self._drafter_has_room(arm, i, limit, len(ids) > 1) for i, limit in zip(ids, limits)):
-                arm = OFF  # speculation must never lose a request: OFF serves any request the target takes
             schedule = self.policy.schedule(context, arm) if len(ids) == 1 else None
         decision_s = time.perf_counter() - started
         with self._engine_lock, self.gpu.measure() as gpu:
@@ -422,22 +417,23 @@ class AutotuneController:
             # The part served alone teaches the policy nothing: its drafter's prefill spread over
             # part of the output would score model drafters low. The batch's segments are learned.
             return self._serve_continuous(batch, (results[0].rest, engine_started))
-        reward = self._reward(context.key, arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
+        reward = self._reward(served, max(r.metrics.new_tokens for r in results) - 1, costs)
         learn_started = time.perf_counter()
         siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling, costs)
-        learn_s = time.perf_counter() - learn_started
         with self._policy_lock:
             self.policy.update(context, arm, Outcome(goodput, reward, served.acceptance, served.new_tokens,
                                                      siblings))
             self._dirty.add(context.key)
             self._updates += 1
             self._save_periodically()
+        learn_s = time.perf_counter() - learn_started  # replays, the update and a save that came due
         out = []
         for result, cls, labelled, feats, sp, since in zip(results, classes, classified, features, sampling, arrived):
             out.append(ControlledResult(
                 result.text, result.tokens, cls, arm, result.metrics, goodput, reward, decision_s,
                 learn_s, load, gpu.util, gpu.mem_mb, result.fell_back, result.stream_error, engine_started - since,
                 result.logprobs, result.prompt_logprobs, result.finish_reason,
+                {name: estimate for name, (estimate, _) in siblings.items()},
             ))
             if self.store is not None:
                 self._record(out[-1], labelled, feats, sp)
@@ -487,9 +483,9 @@ class AutotuneController:
             coming = batch.waiting()[:self._coalescer.max_batch - 1] if resumed is not None else []
             classes = [cls for _, cls, *_ in first + coming]
             features = request_features(first[0][0], first[0][3], first[0][4])
-            context, arm = self._decide(Context(self._key(classes), len(classes), features))
-            if resumed is not None and not self._fits(arm, first[0]):
-                arm = OFF  # the paused request goes on in this batch, and OFF takes any request
+            # the paused request goes on in this batch whatever the arm: one that cannot take it is not played
+            fits = functools.partial(self._fits, item=first[0]) if resumed is not None else None
+            context, arm = self._decide(Context(self._key(classes), len(classes), features), segments=True, fits=fits)
             session = self.engine.open_batch(arm, self.prefill_chunk, keep_results=False)
             try:
                 take(0, first, *resumed or ())
@@ -509,7 +505,7 @@ class AutotuneController:
                 for i, result in session.finished():
                     cls, labelled, feats, sp, since, began = requests.pop(i)
                     with self._policy_lock:
-                        off_s, taken_s = self._row_times(segment["context"].key, result.metrics,
+                        off_s, taken_s = self._row_times(result.metrics,
                                                          self.costs.get(load_bucket(segment["context"].load)))
                     served = ControlledResult(
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
@@ -528,7 +524,8 @@ class AutotuneController:
                     self._learn_segment(segment, session)
                     started = time.perf_counter()
                     live = [requests[i] for i in session.live]
-                    context, arm = self._decide(Context(self._key([r[0] for r in live]), len(live), live[0][2]))
+                    context, arm = self._decide(Context(self._key([r[0] for r in live]), len(live), live[0][2]),
+                                                segments=True)
                     if arm != session.arm:
                         try:
                             session.switch(arm)
@@ -540,13 +537,26 @@ class AutotuneController:
             session.close()
         return []  # every outcome was delivered as it came
 
-    def _decide(self, context: Context) -> tuple[Context, Arm]:
+    def _decide(self, context: Context, segments: bool = False,
+                fits: Callable[[Arm], bool] | None = None) -> tuple[Context, Arm]:
+        """The policy's arm for `context`, or OFF where it must be OFF (the one place that overrides
+        a policy): a learning policy's rewards are speedups over OFF, so at a load where OFF's
+        step (and, for continuous batches' `segments`, OFF's rounds) has not been measured yet
+        nothing could be learned; and an arm whose drafter cannot take the requests (`fits`
+        False) would lose them, where OFF serves any request the target takes."""
         with self._policy_lock:
             arm = self.policy.choose(context)
-            if self.policy.learns and (self.baselines.get(context.key, [0.0])[0] < self.min_baseline_steps
-                                       or self._off_decode_factor(load_bucket(context.load)) is None):
-                arm = OFF  # rewards are relative to OFF: measure what its rounds cost first (see _learn_segment)
-        self._check_arm(arm)
+            self._check_arm(arm)
+            if arm.is_off:
+                return context, arm
+            bucket = load_bucket(context.load)
+            if segments:  # priced by OFF segments at this load or the nearest (see _learn_segment)
+                priced = self._off_decode_factor(bucket) is not None
+            else:
+                costs = self.costs.get(bucket)
+                priced = costs is not None and costs.off_rounds() >= self.min_baseline_steps
+            if (self.policy.learns and not priced) or (fits is not None and not fits(arm)):
+                arm = OFF
         return context, arm
 
     def _off_decode_factor(self, bucket: str) -> float | None:
@@ -594,16 +604,13 @@ class AutotuneController:
             costs = self.costs.setdefault(load_bucket(context.load), CostModel())
             # a drafter's prefill here covers whole contexts, not prompts: it prices no prompt token
             costs.observe(arm, dataclasses.replace(done, draft_prefill_s=0.0), drafts=not session.fell_back)
-            base = self.baselines.setdefault(context.key, [0.0, 0.0])
             if arm.is_off:
-                base[0] = base[0] * self.baseline_discount + done.rounds
-                base[1] = base[1] * self.baseline_discount + done.verify_s
                 costs.observe_off_decode(taken, done.verify_s)
-            step = costs.off_step_during(done) or (base[1] / base[0] if base[0] > 0 else None)
+            step = costs.off_step_during(done)
             factor = self._off_decode_factor(load_bucket(context.load))
-            if factor is None:
+            if factor is None or step is None:
                 return
-            reward = gain * done.rounds * step * factor / taken if step and taken > 0 else 1.0
+            reward = gain * done.rounds * step * factor / taken if taken > 0 else 1.0
             siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
                                        functools.partial(costs.draft_cost, arm.drafter))
             self.policy.update(context, arm, Outcome(gain * rows / taken if taken > 0 else 0.0, reward,
@@ -632,7 +639,7 @@ class AutotuneController:
             return False
         return True
 
-    def _fits(self, arm: Arm, item) -> bool:
+    def _fits(self, arm: Arm, item: tuple) -> bool:
         """Whether a waiting request can join a batch on `arm` (a drafter's context may be shorter)."""
         ids, _, _, limit, *_ = item
         try:
@@ -641,14 +648,12 @@ class AutotuneController:
             return False
         return True
 
-    def _row_times(self, key: str, metrics: GenerationMetrics, costs: CostModel | None) -> tuple[float, float]:
+    @staticmethod
+    def _row_times(metrics: GenerationMetrics, costs: CostModel | None) -> tuple[float, float]:
         """(seconds OFF would have taken, seconds taken) for one request of a continuous batch, its
         own work only: its prefill and the rounds it was in (called holding the policy lock).
         Both 0 before any OFF step cost is known."""
         step = costs.off_step_during(metrics) if costs is not None else None
-        steps, seconds = self.baselines.get(key, (0.0, 0.0))
-        if step is None and steps > 0:
-            step = seconds / steps
         if step is None:
             return 0.0, 0.0
         off_s = metrics.prefill_s - metrics.draft_prefill_s + max(metrics.new_tokens - 1, 0) * step
@@ -663,8 +668,7 @@ class AutotuneController:
         with self._policy_lock:
             before = self._served.get(key, 0)
             self._served[key] = before + len(results)
-            steps, seconds = self.baselines.get(key, (0.0, 0.0))
-            off_step = costs.off_step() or (seconds / steps if steps > 0 else None)  # as the costs it is compared with
+            off_step = costs.off_step()  # as the costs it is compared with
             learning = before < self.counterfactual_requests
             share = self._replay_share.setdefault(key, [0.0, 0.0, 0.0])
             if not learning:
@@ -687,31 +691,22 @@ class AutotuneController:
         return sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()),
                                functools.partial(costs.draft_cost, arm.drafter))
 
-    def _reward(self, key: str, arm: Arm, metrics: GenerationMetrics, off_steps: int | None = None,
-                costs: CostModel | None = None) -> float:
-        """Speedup over OFF on this very request: (target's prefill + output steps x OFF step cost) / time taken.
+    @staticmethod
+    def _reward(metrics: GenerationMetrics, off_steps: int, costs: CostModel) -> float:
+        """Speedup over OFF on this very request: (target's prefill + output steps x OFF step) / time taken.
 
-        The OFF step cost is the one `costs` (this load's, this request observed) infers from
-        the request's own verifies, so a moment when the machine runs slow slows both sides
-        alike; before a 1-token step has run at this load, the key's OFF baseline (a rate of
-        sums: discounted OFF decode seconds / steps). An OFF request scores about 1.0. A batch's
-        OFF steps are its longest output's (`off_steps`), each step decoding every row. The
-        drafter's prefill is the arm's cost, not OFF's.
+        The OFF step is the one `costs` (this load's) infers from the request's own verifies, so
+        a moment when the machine runs slow slows both sides alike, and since no verify is priced
+        below a step, the reward never exceeds the tokens the request committed per round
+        (`reward_bound`). An OFF request scores about 1.0; 1.0 before any OFF step ran at this
+        load. A batch's OFF steps are its longest output's (`off_steps`), each step decoding
+        every row. The drafter's prefill is the arm's cost, not OFF's.
         """
-        with self._policy_lock:
-            base = self.baselines.setdefault(key, [0.0, 0.0])  # OFF decode [steps, seconds], discounted
-            if arm.is_off and metrics.rounds:
-                base[0] = base[0] * self.baseline_discount + metrics.rounds
-                base[1] = base[1] * self.baseline_discount + metrics.verify_s
-            step = costs.off_step_during(metrics) if costs is not None else None
-            if step is None and base[0] > 0:
-                step = base[1] / base[0]
-            if step is None or metrics.total_s <= 0:
-                return 1.0
-            if off_steps is None:
-                off_steps = metrics.new_tokens - 1
-            off_s = metrics.prefill_s - metrics.draft_prefill_s + max(off_steps, 0) * step
-            return off_s / metrics.total_s
+        step = costs.off_step_during(metrics)
+        if step is None or metrics.total_s <= 0:
+            return 1.0
+        off_s = metrics.prefill_s - metrics.draft_prefill_s + max(off_steps, 0) * step
+        return off_s / metrics.total_s
 
     def _record(self, result: ControlledResult, classified: bool, features: dict, sampling: SamplingParams) -> None:
         m = result.metrics
@@ -745,8 +740,7 @@ class AutotuneController:
         keys = sorted(self._dirty | {key for key in state if "@" not in key})  # policy-wide: e.g. contextual's history
         self.store.save_policy_states({
             self.policy.name: {key: state[key] for key in keys if key in state},
-            BASELINE_POLICY: {key: {"off_step": self.baselines[key], "served": self._served.get(key, 0)}
-                              for key in keys if key in self.baselines},
+            SERVED_POLICY: {key: {"served": self._served[key]} for key in keys if key in self._served},
             COSTS_POLICY: {bucket: costs.state_dict() for bucket, costs in self.costs.items()},
         })
         self._dirty.clear()

@@ -34,70 +34,126 @@ from engine.sampling import adjust_logits, probabilities
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
 
 
+WINDOW = 32  # requests each cost is the median of: a burst shorter than half of them moves no estimate
+
+
+def _median(observations: list[list[float]]) -> float:
+    """The median of [value, weight, ...] observations, each counted `weight` times (a request's
+    seconds per round, by its rounds: one round's time says less than a hundred's)."""
+    ordered = sorted(observations)
+    half = sum(o[1] for o in ordered) / 2
+    seen = 0.0
+    for i, (value, weight, *_) in enumerate(ordered):
+        seen += weight
+        if seen > half + 1e-9:
+            return value
+        if abs(seen - half) <= 1e-9:  # exactly half below: between this value and the next
+            return (value + ordered[i + 1][0]) / 2 if i + 1 < len(ordered) else value
+    return ordered[-1][0]
+
+
 class CostModel:
-    """Discounted measured costs: seconds of a draft round per drafter, of a verify round by T (one load bucket).
+    """Measured costs at one load bucket: seconds of a draft round per drafter and K, of a verify
+    round per width, of a drafter's prefill per prompt token.
+
+    Each cost is the median over the last `window` requests that measured it, one observation a
+    request, not a running mean: on a shared machine one request can run 40x slower than the
+    next (torch's threads oversubscribed), and a discounted mean kept such an outlier for a
+    hundred requests, so a slow first OFF request made every later speculative reward look up
+    to 2.4x what its tokens per round allowed. Costs are relative where a reward uses them (see
+    `off_step_during`), and a verify of several tokens is never priced below a 1-token step,
+    so a reward can never exceed the tokens its rounds committed per verify.
 
     A draft round costs more than K times a later step: its first step finds the drafter's
     weights evicted from the CPU caches by the target's verify (demo family: 1.19 ms, against
-    0.62-0.85 ms for the later steps of the round). Priced as K times the mean cost per step, a
-    K=8 round cost 16-40 % more than measured (by which Ks had run) and K=1 less, tilting every
-    estimate toward small K; so a round is priced as measured at its K, else by a line in its
-    tokens through the Ks measured.
+    0.62-0.85 ms for the later steps of the round), so a round is priced as measured at its K,
+    else by a line in its tokens through the Ks measured.
     """
 
-    def __init__(self, discount: float = 0.98) -> None:
-        self.discount = discount
-        self.draft: dict[str, dict[int, list[float]]] = {}  # drafter -> K played -> [seconds, rounds, steps]
-        self.verify: dict[int, list[float]] = {}  # tokens per verify -> [seconds, rounds]
-        self.prefill: dict[str, list[float]] = {}  # drafter -> [seconds of its prefill, prompt tokens]
-        self.off_decode = [0.0, 0.0]  # OFF in continuous batches: [engine seconds decoding, of them verifying]
+    def __init__(self, window: int = WINDOW) -> None:
+        self.window = window
+        # drafter -> K -> [[s per round, steps per round, rounds]], a request each
+        self.draft: dict[str, dict[int, list[list[float]]]] = {}
+        self.verify: dict[int, list[list[float]]] = {}  # tokens per verify -> [[s per round, rounds]]
+        self.prefill: dict[str, list[list[float]]] = {}  # drafter -> [[s per prompt token, prompt tokens]]
+        self.off_decode: list[list[float]] = []  # OFF in continuous batches: [[engine s per verify s, verify s]]
+
+    def _add(self, observations: list, value) -> None:
+        observations.append(value)
+        del observations[:-self.window]
 
     def observe(self, arm: Arm, metrics, drafts: bool = True) -> None:
         """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it)."""
         if not metrics.rounds:
             return
-        if metrics.draft_steps and drafts:
-            row = self.draft.setdefault(arm.drafter, {})
-            self._add(row, arm.k, [metrics.draft_s, metrics.draft_rounds, metrics.draft_steps])
-        if metrics.draft_prefill_s > 0:
-            self._add(self.prefill, arm.drafter, [metrics.draft_prefill_s, metrics.prompt_tokens])
+        if metrics.draft_steps and metrics.draft_rounds and drafts:
+            row = self.draft.setdefault(arm.drafter, {}).setdefault(arm.k, [])
+            self._add(row, [metrics.draft_s / metrics.draft_rounds, metrics.draft_rounds,
+                            metrics.draft_steps / metrics.draft_rounds])
+        if metrics.draft_prefill_s > 0 and metrics.prompt_tokens:
+            self._add(self.prefill.setdefault(arm.drafter, []),
+                      [metrics.draft_prefill_s / metrics.prompt_tokens, metrics.prompt_tokens])
         for width, (seconds, rounds) in metrics.verify_by_width.items():  # as fed: n-gram rounds vary
-            self._add(self.verify, width, [seconds, rounds])
+            if rounds:
+                self._add(self.verify.setdefault(width, []), [seconds / rounds, rounds])
 
     def observe_off_decode(self, seconds: float, verify_s: float) -> None:
         """Add OFF rounds of a continuous batch: all their engine seconds (rows joining and
         leaving copy the caches, the controller works between rounds) and those spent verifying."""
-        self.off_decode = [self.off_decode[0] * self.discount + seconds, self.off_decode[1] * self.discount + verify_s]
+        if verify_s > 0:
+            self._add(self.off_decode, [seconds / verify_s, verify_s])
 
     def off_decode_factor(self) -> float | None:
         """Engine seconds an OFF round of a continuous batch takes per second of its verify; None before one ran."""
-        seconds, verify_s = self.off_decode
-        return seconds / verify_s if verify_s > 0 else None
+        return _median(self.off_decode) if self.off_decode else None
 
     def state_dict(self) -> dict:
-        return {"discount": self.discount, "draft": self.draft, "verify": self.verify, "prefill": self.prefill,
+        return {"window": self.window, "draft": self.draft, "verify": self.verify, "prefill": self.prefill,
                 "off_decode": self.off_decode}
 
     @classmethod
     def from_state(cls, state: dict) -> CostModel:
-        """The inverse of `state_dict` after a JSON round trip (which turns K and widths into strings)."""
-        costs = cls(state["discount"])
-        costs.draft = {d: {int(k): list(v) for k, v in rows.items()} for d, rows in state["draft"].items()}
-        costs.verify = {int(w): list(v) for w, v in state["verify"].items()}
-        costs.prefill = {d: list(v) for d, v in state["prefill"].items()}
-        costs.off_decode = list(state.get("off_decode", costs.off_decode))  # stores saved before it existed
+        """The inverse of `state_dict` after a JSON round trip (which turns K and widths into
+        strings). A state saved as discounted sums (before costs were medians) starts each cost
+        from one observation, its mean."""
+        costs = cls(int(state.get("window", WINDOW)))
+        if "window" not in state:
+            costs.draft = {d: {int(k): [[s / n, n, steps / n]] for k, (s, n, steps) in rows.items() if n > 0}
+                           for d, rows in state["draft"].items()}
+            costs.verify = {int(w): [[s / n, n]] for w, (s, n) in state["verify"].items() if n > 0}
+            costs.prefill = {d: [[s / t, t]] for d, (s, t) in state["prefill"].items() if t > 0}
+            seconds, verify_s = state.get("off_decode", (0.0, 0.0))
+            costs.off_decode = [[seconds / verify_s, verify_s]] if verify_s > 0 else []
+            return costs
+        costs.draft = {d: {int(k): [list(o) for o in obs] for k, obs in rows.items()}
+                       for d, rows in state["draft"].items()}
+        costs.verify = {int(w): [list(o) for o in obs] for w, obs in state["verify"].items()}
+        costs.prefill = {d: [list(o) for o in obs] for d, obs in state["prefill"].items()}
+        costs.off_decode = [list(o) for o in state["off_decode"]]
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:
         """Seconds for the drafter to take in a prompt (on long prompts in a batch of 16, a third
         of the target's own prefill with the demo family); 0 before it was measured."""
-        seconds, tokens = self.prefill.get(drafter, (0.0, 0.0))
-        return seconds / tokens * prompt_tokens if tokens > 0 else 0.0
+        observations = self.prefill.get(drafter)
+        return _median(observations) * prompt_tokens if observations else 0.0
+
+    def off_rounds(self) -> float:
+        """1-token rounds behind the OFF step's estimate (the window's)."""
+        return sum(rounds for _, rounds in self.verify.get(1, []))
 
     def off_step(self) -> float | None:
         """Seconds of a measured 1-token step (an OFF round) at this load; None before one ran."""
-        seconds, rounds = self.verify.get(1, (0.0, 0.0))
-        return seconds / rounds if rounds > 0 else None
+        observations = self.verify.get(1)
+        return _median(observations) if observations else None
+
+    def relative_verify_cost(self, tokens: int) -> float | None:
+        """A verify of `tokens` in 1-token steps, never below 1 (None before a 1-token step ran):
+        whatever the noise in either estimate, a wider verify does at least a step's work."""
+        one, cost = self.off_step(), self.verify_cost(tokens)
+        if one is None or cost is None:
+            return None
+        return max(1.0, cost / one)
 
     def off_step_during(self, metrics) -> float | None:
         """What an OFF step would have cost while this request ran.
@@ -105,18 +161,17 @@ class CostModel:
         The machine's speed moves by +-25 % from one request to the next (the demo family's OFF
         steps: 6.5-13.5 ms per request at load 1, whatever the prompt), so an OFF step measured
         on other requests says little about this one. The request's own verifies do: their
-        seconds, over what its verify widths cost relative to a 1-token step at this load, are
-        its 1-token step. None until a 1-token step has run at this load.
+        seconds, over what its verify widths cost in 1-token steps at this load, are its
+        1-token step. None until a 1-token step has run at this load.
         """
-        one = self.off_step()
-        relative = sum(rounds * self.verify_cost(width) / one for width, (_, rounds) in metrics.verify_by_width.items()
-                       if rounds) if one else 0.0
+        relative = 0.0
+        for width, (_, rounds) in metrics.verify_by_width.items():
+            if rounds:
+                steps = self.relative_verify_cost(width)
+                if steps is None:
+                    return None
+                relative += rounds * steps
         return metrics.verify_s / relative if relative > 0 else None
-
-    def _add(self, table: dict, key, values: list[float]) -> None:
-        row = table.setdefault(key, [0.0] * len(values))
-        for i, v in enumerate(values):
-            row[i] = row[i] * self.discount + v
 
     def draft_cost(self, drafter: str, k: int) -> float | None:
         """Seconds of a round drafting k tokens: measured at K = k if that arm has run, else the
@@ -124,9 +179,9 @@ class CostModel:
         (one K measured) k times its cost per token. Measured first, as for verifies: the cost per
         step falls along a round (the caches warm up), so a line is only an interpolation."""
         rows = self.draft.get(drafter, {})
-        if rows.get(k, (0.0, 0.0))[1] > 0:
-            return rows[k][0] / rows[k][1]
-        points = [(steps / rounds, seconds / rounds) for seconds, rounds, steps in rows.values() if rounds > 0]
+        if rows.get(k):
+            return _median(rows[k])
+        points = [(_median([[steps, n] for _, n, steps in obs]), _median(obs)) for obs in rows.values() if obs]
         if not points:
             return None
         xs, ys = [x for x, _ in points], [y for _, y in points]
@@ -146,7 +201,7 @@ class CostModel:
         than one query), 26 % of a step on the demo family against ~5 % per extra token, so a line
         through it would price large K at twice their cost until they had been played.
         """
-        points = {t: s / n for t, (s, n) in self.verify.items() if n > 0}
+        points = {t: _median(obs) for t, obs in self.verify.items() if obs}
         if tokens in points:
             return points[tokens]
         if tokens > 1:
@@ -306,7 +361,8 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp)
                           for sequence, start, target, sp in zip(sequences, starts, targets, samplings)]
                    for name, k in longest.items()}
-    verify_cost = functools.cache(costs.verify_cost)  # the same few widths, for every round of every arm
+    # In 1-token steps, as the played arm's reward prices them: never below one (the same few widths each round)
+    verify_steps = functools.cache(costs.relative_verify_cost)
     draft_cost = functools.cache(costs.draft_cost)
     estimates = {}
     for arm in known:
@@ -318,9 +374,10 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
             rounds = batch_rounds(per_row)
         else:
             continue
-        verify = [verify_cost(k + 1) for k in rounds]
+        verify = [verify_steps(k + 1) for k in rounds]
         if any(v is None for v in verify):
             continue
+        verify = [v * off_step_s for v in verify]
         draft = 0.0 if arm.is_off else (sum(draft_cost(arm.drafter, k) for k in rounds if k)
                                          + costs.draft_prefill_cost(arm.drafter, prompt_tokens))
         estimates[str(arm)] = off_time / (prefill_s + draft + sum(verify))

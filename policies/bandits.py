@@ -237,8 +237,6 @@ class BanditPolicy(Policy):
     # ----- decisions ----------------------------------------------------------------------
     def choose(self, context: Context) -> Arm:
         table = self.table(context)
-        if table.counts[str(OFF)] == 0:
-            return OFF  # the class's own baseline comes first: rewards are relative to it
         view = self._with_shared_prior(context, table)
         guarded = self._guard(view)
         table.guarded = view.guarded

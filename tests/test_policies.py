@@ -37,7 +37,6 @@ def means_with_best(best: str, off: float = 1.0) -> dict[str, float]:
 def test_converges_to_the_best_arm(name):
     policy = make_policy(name, ARMS)
     chosen = simulate(policy, means_with_best("small:4"), 300)
-    assert chosen[0] == "off"  # the baseline comes first
     assert Counter(chosen[-100:])["small:4"] >= 85
 
 
@@ -52,18 +51,20 @@ def test_follows_a_switch_of_the_best_arm(name):
 @pytest.mark.parametrize("safety", [None, 0.02])
 @pytest.mark.parametrize("name", ["ucb", "thompson"])
 def test_goes_off_when_every_arm_loses_and_keeps_probing(name, safety):
-    policy = make_policy(name, ARMS, safety=safety)
     means = {str(a): 0.7 for a in ARMS} | {"off": 1.0, "small:1": 0.9}
-    simulate(policy, means, 200)
-    chosen, guarded = [], 0
-    for step in range(200):
-        chosen += simulate(policy, means, 1, seed=step)
-        guarded += policy.table(CODE).guarded
-    last = Counter(chosen)
-    assert last["off"] >= 170  # the nearest loser (0.9) still gets probed, the 0.7s hardly
-    assert last["off"] < 200  # rare probes keep a way back
-    if safety is None:  # the guard alone holds the class at OFF most of the time
-        assert guarded >= 100
+    offs = []
+    for seed in range(5):  # one run's count moves by +-15 with the draws: the mean over five
+        policy = make_policy(name, ARMS, safety=safety, seed=seed)
+        simulate(policy, means, 200, seed=seed)
+        chosen, guarded = [], 0
+        for step in range(200):
+            chosen += simulate(policy, means, 1, seed=step)
+            guarded += policy.table(CODE).guarded
+        offs.append(Counter(chosen)["off"])
+        assert offs[-1] < 200  # rare probes keep a way back
+        if safety is None:  # the guard alone holds the class at OFF most of the time
+            assert guarded >= 100
+    assert sum(offs) / len(offs) >= 175  # the nearest loser (0.9) still gets probed, the 0.7s hardly
 
 
 @pytest.mark.parametrize("name", ["ucb", "thompson"])
@@ -139,13 +140,16 @@ def test_a_decision_sees_the_other_keys_at_its_load_as_they_are_now():
     assert_decisions_see_the_other_keys_as_they_are(policy, contexts)  # the last one is new here
 
 
-def test_a_new_class_starts_from_pooled_statistics():
-    policy = make_policy("thompson", ARMS)
+@pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
+def test_a_new_class_starts_from_pooled_statistics(name):
+    """Tenants that resemble each other: a class seen for the first time plays the arm the
+    others found best from its first request, not OFF nor an arm to explore."""
+    policy = make_policy(name, ARMS)
     simulate(policy, means_with_best("small:8"), 200, context=Context("code"))
     simulate(policy, means_with_best("small:8"), 200, context=Context("docs"))
     chosen = simulate(policy, means_with_best("small:8"), 12, context=Context("new"))
-    assert chosen[0] == "off"
-    assert Counter(chosen[1:])["small:8"] >= 9
+    assert chosen[0] == "small:8"
+    assert Counter(chosen)["small:8"] >= 10
 
 
 def test_learns_a_different_best_arm_under_load():
@@ -163,8 +167,7 @@ def test_a_class_new_at_a_load_starts_from_other_classes_at_that_load():
     simulate(policy, means_with_best("small:8"), 200, context=Context("code", load=1))
     simulate(policy, means_with_best("small:1"), 200, context=Context("docs", load=8))
     chosen = simulate(policy, means_with_best("small:1"), 12, context=Context("code", load=8))
-    assert chosen[0] == "off"
-    assert chosen[1:4] == ["small:1"] * 3  # from docs at load 8, not code@load1's small:8
+    assert chosen[:3] == ["small:1"] * 3  # from docs at load 8, not code@load1's small:8
 
 
 @pytest.mark.parametrize("name", ["ucb", "thompson"])
@@ -236,8 +239,9 @@ def test_contextual_policy_follows_a_class_whose_own_rewards_contradict_its_feat
     liar = Context("liar", features={"ngram_overlap": 0.95})
     means = {str(a): 0.9 for a in ARMS} | {"off": 1.0, "ngram:3": 0.7, "small:2": 1.3}
     chosen = simulate(policy, means, 16, context=liar, noise=0.1)
-    assert chosen[0] == "off" and chosen[1] == "ngram:3"  # the features' pick first
-    assert "ngram:3" not in chosen[-8:]
+    assert chosen[0] == "ngram:3"  # the features' pick first
+    assert chosen[2:4] == ["small:2", "small:2"]  # left after two losses
+    assert Counter(chosen[-8:])["ngram:3"] <= 1  # at most a probe since
 
 
 def test_contextual_policy_fits_each_arm_as_its_own_ridge_line_in_one_fit():

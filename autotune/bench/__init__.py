@@ -26,8 +26,10 @@ from autotune.bench.prefill import (
 from autotune.bench.replay import bench_replay
 from autotune.bench.serving import bench_serve
 from autotune.bench.store_speed import bench_store
+from autotune.bench.tenants import bench_many_classes
 
 __all__ = ["BENCH_KS", "bench_arms", "bench_cache", "bench_choices", "bench_chunked", "bench_chunked_clients",
            "bench_concurrency", "bench_controller", "bench_decisions", "bench_engine", "bench_lengths", "bench_limits",
-           "bench_long_batch", "bench_lossless", "bench_prefix", "bench_prefix_clients", "bench_replay", "bench_serve",
+           "bench_long_batch", "bench_lossless", "bench_many_classes",
+           "bench_prefix", "bench_prefix_clients", "bench_replay", "bench_serve",
            "bench_store", "device_name", "hindsight_arms", "llama_shaped_engine"]

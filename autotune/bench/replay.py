@@ -24,7 +24,7 @@ def bench_replay(engine: SpeculativeEngine, classes: dict[str, RequestClass], ar
     engine.warm_up(arms)
     out, errors = {}, []
     for name, cls in classes.items():
-        costs = CostModel(discount=1.0)
+        costs = CostModel(window=prompts_per_class)  # every request of the class
         off = [0.0, 0.0]  # OFF decode [steps, seconds]
         served = []
         for i, prompt in enumerate(cls.prompts[:prompts_per_class]):

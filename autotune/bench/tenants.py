@@ -1,0 +1,178 @@
+"""`autotune bench controller --many-classes`: many request classes with a few requests each,
+counted from the first request, as a server with many tenants meets the controller.
+
+Every request is served by every configuration in turn (the policies under test, each a
+fresh controller with a store of its own, and static arms, OFF among them), so each ratio
+compares the same requests. The best static arm and the per-class oracle are chosen in
+hindsight among the static arms served; a ratio against them is the controller's goodput,
+learning cost included (decisions, replays and saves are counted in its seconds), over
+theirs. It also checks each reward the policy learned from against what physics allows (a
+request cannot beat OFF by more than the tokens it committed per verify round), and how the
+rewards recorded or replayed for each static arm compare with that arm's speedup measured on
+the same requests (the calibration table, per arm kind and prompt length).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+from autotune.bench.common import device_name, p99, rotate
+from autotune.classes import Request, RequestClass
+from autotune.controller import AutotuneController, default_arms
+from engine import HybridDrafter, NGramDrafter, SpeculativeEngine
+from engine.arms import OFF, Arm
+from policies import make_policy
+from store import Store
+
+STATIC_ARMS = ("off", "ngram:4", "ngram:6", "distilled:2", "distilled:4", "ngram+distilled:2", "ngram+distilled:4")
+
+
+def tenant_classes(base: dict[str, RequestClass], count: int) -> dict[str, RequestClass]:
+    """`count` classes: the `base` ones, then each sampled at 0.7 (a greedy class) or greedy (a
+    sampled one), then each with outputs of 32 tokens, as tenants that share domains differ."""
+    variants = [replace(c, name=f"{c.name}-t0.7", temperature=0.7, top_p=0.9) if c.temperature == 0 else
+                replace(c, name=f"{c.name}-greedy", temperature=0.0, top_p=1.0) for c in base.values()]
+    variants += [replace(c, name=f"{c.name}-short", max_new_tokens=32) for c in base.values()]
+    classes = [*base.values(), *variants]
+    if count > len(classes):
+        raise ValueError(f"at most {len(classes)} classes can be made from {len(base)}, not {count}")
+    return {c.name: c for c in classes[:count]}
+
+
+def tenant_stream(classes: dict[str, RequestClass], per_class: int, seed: int = 0) -> list[Request]:
+    """`per_class` requests of every class, other prompts each, in a shuffled order."""
+    rng = random.Random(seed)
+    requests = [Request(name, prompt, cls.temperature, cls.top_p, cls.max_new_tokens, rng.randrange(2**31))
+                for name, cls in classes.items() for prompt in rng.sample(cls.prompts, per_class)]
+    rng.shuffle(requests)
+    return requests
+
+
+def arm_kind(engine: SpeculativeEngine, arm: str) -> str:
+    drafter = engine.drafters.get(Arm.parse(arm).drafter)
+    if drafter is None:
+        return "off"
+    return "n-gram" if isinstance(drafter, NGramDrafter) else "hybrid" if isinstance(drafter, HybridDrafter) \
+        else "model"
+
+
+def _goodput(rows: list[dict]) -> float:
+    seconds = sum(r["seconds"] for r in rows)
+    return sum(r["tokens"] for r in rows) / seconds if seconds else 0.0
+
+
+def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClass], out_dir: Path,
+                       per_class: int = 8, policies=("ucb", "contextual"), statics=STATIC_ARMS,
+                       seed: int = 0, progress=print) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arms = default_arms(engine)
+    statics = [s for s in statics if Arm.parse(s).is_off or Arm.parse(s).drafter in engine.drafters]
+    controllers = {}
+    for name in policies:
+        path = out_dir / f"tenants-{name}.db"
+        for stale in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            stale.unlink(missing_ok=True)  # a previous run's store would resume what it learned
+        controllers[name] = AutotuneController(engine, Store(f"sqlite:///{path}", label=f"tenants {name}"),
+                                               policy=make_policy(name, arms))
+    for arm in statics:
+        controllers[arm] = AutotuneController(engine, policy="static", arms=[OFF, Arm.parse(arm)], arm=arm)
+    stream = tenant_stream(classes, per_class, seed)
+    progress(f"{len(classes)} classes x {per_class} requests, each served by {len(controllers)} configurations")
+    log = {name: [] for name in controllers}
+    for i, req in enumerate(stream):
+        for name in rotate(list(controllers), i):
+            r = controllers[name].generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
+                                           req.top_p, req.seed)
+            m = r.metrics
+            log[name].append({
+                "class": req.request_class, "arm": str(r.arm), "tokens": m.new_tokens, "engine_s": m.total_s,
+                "seconds": m.total_s + r.decision_s + r.learn_s, "overhead_s": r.decision_s + r.learn_s,
+                "reward": r.reward, "bound": max(1.0, (m.new_tokens - 1) / m.rounds) if m.rounds else 1.0,
+                "estimates": r.estimates, "prompt_tokens": m.prompt_tokens})
+        if (i + 1) % 20 == 0:
+            progress(f"  {i + 1}/{len(stream)} requests")
+    for ctl in controllers.values():
+        ctl.close()
+        if ctl.store is not None:
+            ctl.store.close()
+    (out_dir / "tenants-log.json").write_text(json.dumps(log))  # every configuration's row per request
+    return summarize(engine, log, list(policies), statics, classes, per_class)
+
+
+def summarize(engine: SpeculativeEngine, log: dict[str, list[dict]], policies: list[str], statics: list[str],
+              classes: dict, per_class: int) -> dict:
+    names = list(classes)
+    by_class = {name: {c: [r for r in rows if r["class"] == c] for c in names} for name, rows in log.items()}
+    static_best = max(statics, key=lambda s: _goodput(log[s]))
+    oracle_arms = {c: max(statics, key=lambda s: _goodput(by_class[s][c])) for c in names}
+    oracle_rows = [r for c in names for r in by_class[oracle_arms[c]][c]]
+    oracle, best, off = _goodput(oracle_rows), _goodput(log[static_best]), _goodput(log["off"])
+    result = {
+        "device": device_name(engine),
+        "classes": len(names),
+        "requests_per_class": per_class,
+        "counted_from": "the first request",
+        "static_arms": statics,
+        "static_best_arm": static_best,
+        "oracle_arms": oracle_arms,
+        "oracle_vs_best_static": round(oracle / best, 3),
+        "static_ratio_vs_off": {s: round(_goodput(log[s]) / off, 3) for s in statics},
+        "policies": {},
+    }
+    for p in policies:
+        rows = log[p]
+        goodput = _goodput(rows)
+        result["policies"][p] = {
+            "ratio_vs_best_static": round(goodput / best, 3),
+            "ratio_vs_oracle": round(goodput / oracle, 3),
+            "ratio_vs_off": round(goodput / off, 3),
+            "worst_class_ratio_vs_off": round(min(_goodput(by_class[p][c]) / _goodput(by_class["off"][c])
+                                                  for c in names), 3),
+            "overhead_share": round(sum(r["overhead_s"] for r in rows) / sum(r["seconds"] for r in rows), 4),
+            "decision_and_learning_ms_p99": p99(r["overhead_s"] * 1000 for r in rows),
+            "rewards_above_bound": sum(r["reward"] > r["bound"] * (1 + 1e-9) for r in rows),
+            "rewards": len(rows),
+            "arms_played": dict(sorted(_count(r["arm"] for r in rows).items(), key=lambda kv: -kv[1])),
+            "reward_calibration": calibration(engine, log, p, statics),
+        }
+    return result
+
+
+def _count(items) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for item in items:
+        counts[item] += 1
+    return dict(counts)
+
+
+def calibration(engine: SpeculativeEngine, log: dict[str, list[dict]], policy: str, statics: list[str]) -> dict:
+    """Per arm kind and prompt length (the shorter and longer half of the prompts): the mean
+    reward `policy` recorded (playing the arm) or was told (replaying it) for each static arm,
+    over that arm's mean speedup measured on the same requests (its engine seconds against
+    OFF's, tokens per second); 1.0 is true to scale. With the number of requests behind it."""
+    lengths = sorted(r["prompt_tokens"] for r in log["off"])
+    middle = lengths[len(lengths) // 2]
+    cells = defaultdict(lambda: [0.0, 0.0, 0])
+    for i, row in enumerate(log[policy]):
+        off = log["off"][i]
+        for arm in statics:
+            if arm == "off":
+                continue
+            told = row["reward"] if row["arm"] == arm else row["estimates"].get(arm)
+            measured = log[arm][i]
+            if told is None or not measured["engine_s"] or not off["tokens"]:
+                continue
+            speedup = (measured["tokens"] / measured["engine_s"]) / (off["tokens"] / off["engine_s"])
+            length = "short prompts" if row["prompt_tokens"] < middle else "long prompts"
+            for key in (arm_kind(engine, arm), f"{arm_kind(engine, arm)}, {length}"):
+                cell = cells[key]
+                cell[0] += told
+                cell[1] += speedup
+                cell[2] += 1
+    return {key: {"told_over_measured": round(told / measured, 3), "requests": n}
+            for key, (told, measured, n) in sorted(cells.items()) if measured > 0}
