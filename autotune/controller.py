@@ -3,19 +3,21 @@
 Reward is the request's speedup over OFF on the same request: the time OFF would have
 taken for the same prompt and output (the target's prefill of this request plus one OFF
 decode step per output token, the step cost inferred from this request's own verifies at its
-load, see `_reward`) over the time it took. Comparing each request with itself keeps prompt and output length
-out of the reward's noise. Requests also score every other arm by replaying the output
-(counterfactual.py; exact when greedy, in expectation when sampled): every request while a
-class is being learned, then only within a small share of the serving time (a replay costs
-a teacher-forced forward per model drafter, plus one of the target when sampled, 6-9 % of a
-greedy request on the demo family and more for a batch or on a compiled engine, so replaying
-every request would cost more than it teaches once the class has settled). What the policy
-learned is saved to the store every `save_every` requests and on close, and loaded again on
-start, so a restarted controller resumes without re-exploring. With `max_batch` > 1, single
-requests from concurrent threads are served together in batches (coalesce.py), of every class
-waiting unless `mix_classes=False`, which requests arriving later join between rounds
-(continuous batching; the policy decides again every `decide_every` rounds) and which hand
-each request back as soon as it is done.
+load, see `_reward`) over the time it took; it can never exceed the tokens the request
+committed per round. Comparing each request with itself keeps prompt and output length out
+of the reward's noise. Requests also score every other arm by replaying the output
+(counterfactual.py; exact when greedy, in expectation when sampled): a key's first request,
+then only within a small share of the serving time (a replay costs a teacher-forced forward
+per model, plus one of the target when sampled, so replaying every request would cost more
+than it teaches once the class has settled; a new class already starts from what the other
+classes learned). Costs are measured before the first request (`_calibrate`), so no request
+has to be served OFF to price the others. What the policy learned is saved to the store
+every `save_every` requests and on close, and loaded again on start, so a restarted
+controller resumes without re-exploring. With `max_batch` > 1, single requests from
+concurrent threads are served together in batches (coalesce.py), of every class waiting
+unless `mix_classes=False`, which requests arriving later join between rounds (continuous
+batching; the policy decides again every `decide_every` rounds) and which hand each request
+back as soon as it is done.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch, Coalescer
-from autotune.counterfactual import CostModel, arm_rewards
+from autotune.counterfactual import CostModel, arm_rewards, hybrid_parts
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from engine import (
     MAX_K,
@@ -52,13 +55,65 @@ from policies import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_b
 
 logger = logging.getLogger(__name__)
 SERVED_POLICY = "__served__"  # per key: requests served (how many replays it has had while learning)
-COSTS_POLICY = "__costs__"  # per load bucket: the measured draft and verify costs (CostModel)
+COSTS_POLICY = "__costs__"  # per load bucket, greedy or sampled: the measured draft and verify costs (CostModel)
 INTERNAL_POLICIES = (SERVED_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_CLASS = "default"
+CALIBRATION_PROMPT = 256  # tokens of the prompt `_calibrate` serves each arm kind on, at most
+# What `_calibrate` serves, through the engine's tokenizer: text a model continues as it would a
+# request's, so drafts are kept about as often (on random token ids every sampled draft was
+# rejected, and rejection's extra work priced sampled rounds 1.4x what requests measured).
+CALIBRATION_TEXT = '''def read_config(path, defaults=None):
+    """Read a key = value file into a dict, with the defaults for keys it does not set."""
+    config = dict(defaults or {})
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if "=" not in line:
+                raise ValueError(f"{path}:{number}: expected key = value, got {line!r}")
+            key, value = (part.strip() for part in line.split("=", 1))
+            if value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            elif value.isdigit():
+                value = int(value)
+            config[key] = value
+    return config
+
+
+def write_config(path, config):
+    """Write a dict as a key = value file, one key a line, in sorted order."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for key in sorted(config):
+            value = config[key]
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            handle.write(f"{key} = {value}\\n")
+
+
+def merge_configs(*configs):
+    """The configs merged left to right: a later one's keys win."""
+    merged = {}
+    for config in configs:
+        merged.update(config)
+    return merged
+'''
+CALIBRATION_TOKENS = 17  # tokens it decodes per arm: 16 OFF steps, min_baseline_steps by default
 # The key of a coalesced batch whose requests are of several classes: one arm serves the whole
 # batch, so what it learns is the best arm for such a mix at that load, not for any one class.
 MIXED_CLASS = "(mixed)"
+
+
+def cost_key(bucket: str, sampled: bool) -> str:
+    """Where the costs of requests at this load bucket are kept: a sampled round costs more than a
+    greedy one (drafts sampled under top-p 1.42x, verifies 1.17x on the demo family), and priced
+    as a greedy one's, every replay of a greedy request on a cost model fed sampled ones fell short."""
+    return bucket + (" sampled" if sampled else "")
+
+
+def _sampled(context: Context) -> bool:
+    return context.features.get("temperature", 0.0) > 0
 
 
 def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) -> list[Arm]:
@@ -112,6 +167,7 @@ def _check_label(request_class: str | None) -> None:
 
 
 def _check_settings(max_batch: int, decide_every: int, save_every: int, min_baseline_steps: int,
+                    remeasure_off_every: int,
                     counterfactual_requests: int, batch_wait_ms: float, counterfactual_budget: float,
                     counterfactual_weight: float, prefill_chunk: int | None) -> None:
     """Refuse a controller setting out of its range by name: several would otherwise be taken
@@ -122,6 +178,7 @@ def _check_settings(max_batch: int, decide_every: int, save_every: int, min_base
 
     for name, value, low in [("max_batch", max_batch, 1), ("decide_every", decide_every, 1),
                              ("save_every", save_every, 1), ("min_baseline_steps", min_baseline_steps, 0),
+                             ("remeasure_off_every", remeasure_off_every, 1),
                              ("counterfactual_requests", counterfactual_requests, 0)]:
         if not whole(value) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -144,7 +201,8 @@ class AutotuneController:
         classifier: RequestClassifier | None = None,
         save_every: int = 25,
         min_baseline_steps: int = 16,
-        counterfactual_requests: int = 3,
+        remeasure_off_every: int = 64,
+        counterfactual_requests: int = 1,
         counterfactual_budget: float = 0.01,
         counterfactual_weight: float = 0.5,
         max_batch: int = 1,
@@ -154,10 +212,12 @@ class AutotuneController:
         decide_every: int = 32,
         pause_alone: bool | None = None,
         prefill_chunk: int | None = 2048,
+        calibrate: bool = True,
         **policy_kwargs,
     ) -> None:
         _check_settings(max_batch=max_batch, decide_every=decide_every, save_every=save_every,
-                        min_baseline_steps=min_baseline_steps, counterfactual_requests=counterfactual_requests,
+                        min_baseline_steps=min_baseline_steps, remeasure_off_every=remeasure_off_every,
+                        counterfactual_requests=counterfactual_requests,
                         batch_wait_ms=batch_wait_ms, counterfactual_budget=counterfactual_budget,
                         counterfactual_weight=counterfactual_weight, prefill_chunk=prefill_chunk)
         self.engine = engine
@@ -174,9 +234,14 @@ class AutotuneController:
         self.classifier = classifier
         self.save_every = save_every
         # Rewards are speedups over OFF, priced from what an OFF step costs at the request's load:
-        # a learning policy plays OFF at a load until this many OFF steps ran there (any class).
+        # a learning policy plays OFF at a load until this many OFF steps ran there (any class),
+        # and again once every `remeasure_off_every` requests there: every reward and replay is
+        # scaled by that step, and a policy that has left OFF would otherwise price them for good
+        # by OFF steps measured at another moment of the machine (rewards 0.90-1.17x the speedups
+        # measured beside them, by the moment each controller measured OFF).
         self.min_baseline_steps = min_baseline_steps
-        # Requests also score every other arm (see counterfactual.py): all of a key's first
+        self.remeasure_off_every = remeasure_off_every
+        # Requests also score every other arm (see counterfactual.py): a key's first
         # `counterfactual_requests` requests, while the policy is still learning; after that only
         # while replays, this one included (priced at the key's last replay), stay within
         # `counterfactual_budget` of the key's serving time since, so arms not played stay known
@@ -185,7 +250,7 @@ class AutotuneController:
         self.counterfactual_requests = counterfactual_requests
         self.counterfactual_budget = counterfactual_budget
         self.counterfactual_weight = counterfactual_weight
-        self.costs: dict[str, CostModel] = {}  # load bucket -> measured draft and verify costs
+        self.costs: dict[str, CostModel] = {}  # cost_key -> measured draft and verify costs
         self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
         self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning, last replay s
         self.gpu = GpuMonitor()
@@ -233,6 +298,44 @@ class AutotuneController:
             self._served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.costs = {bucket: CostModel.from_state(state)
                           for bucket, state in store.load_policy_states(COSTS_POLICY).items()}
+        if calibrate and self.policy.learns:
+            for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0)):
+                key = cost_key("1", not sampling.greedy)
+                if key not in self.costs:
+                    self.costs[key] = self._calibrate(sampling)
+
+    def _calibrate(self, sampling: SamplingParams) -> CostModel:
+        """What OFF's steps and each drafter's rounds cost alone, measured before the first request
+        on CALIBRATION_TEXT (random token ids without a tokenizer; each drafter at the smallest and
+        largest K among the arms, CALIBRATION_TOKENS each), so that the first request needs no OFF baseline,
+        every arm can be replayed from it, and no drafter is priced from one K played (a K=1 round
+        times K overpriced a drafter's longer rounds by a third, and kept it from being played).
+        Requests replace these figures as they come (each cost is a median over requests, by rounds).
+        A drafter's prefill is not priced from here: it is learned when the drafter is played."""
+        costs = CostModel()
+        length = CALIBRATION_PROMPT if self.engine.max_length is None else \
+            max(1, min(CALIBRATION_PROMPT, self.engine.max_length - CALIBRATION_TOKENS - MAX_K - 1))
+        if self.engine.tokenizer is not None:
+            prompt = self.engine.encode(CALIBRATION_TEXT).tolist()[:length]
+        else:
+            rng = random.Random(0)
+            prompt = [rng.randrange(self.engine.vocab_size) for _ in range(length)]
+        # OFF three times: every reward is scaled by its step. A hybrid is replayed from its parts' costs.
+        arms = [OFF] * 3 + [Arm(drafter, k) for drafter, ks in self._ks.items() for k in sorted({min(ks), max(ks)})
+                            if hybrid_parts(self.engine, drafter) is None]
+        # A process's first forwards run slower (allocations, lazy loads), and a slow OFF step would
+        # price every verify low and every reward high: each arm runs a few steps unrecorded first.
+        for i, arm in enumerate([*arms, *arms]):
+            recorded = i >= len(arms)
+            try:
+                with self._engine_lock:
+                    metrics = self.engine.generate(prompt, arm, CALIBRATION_TOKENS if recorded else 4, sampling).metrics
+            except Exception as exc:  # an arm that cannot be measured here is learned as it is played
+                logger.info("calibration of %s skipped: %s", arm, exc)
+                continue
+            if recorded:
+                costs.observe(arm, dataclasses.replace(metrics, draft_prefill_s=0.0))
+        return costs
 
     def _reachable_arms(self) -> list[Arm]:
         """The policy's arms, plus the largest K a schedule that moves K inside a request can reach."""
@@ -410,14 +513,15 @@ class AutotuneController:
                 results, served = together.results, together.metrics
         goodput = served.tokens_per_s
         with self._policy_lock:
-            costs = self.costs.setdefault(load_bucket(context.load), CostModel())
+            key = cost_key(load_bucket(context.load), any(not sp.greedy for sp in sampling))
+            costs = self.costs.setdefault(key, CostModel())
             # Draft costs per K only from a request that kept its K and its drafter throughout.
             costs.observe(arm, served, drafts=schedule is None and not any(r.fell_back for r in results))
         if results[0].rest is not None:
             # The part served alone teaches the policy nothing: its drafter's prefill spread over
             # part of the output would score model drafters low. The batch's segments are learned.
             return self._serve_continuous(batch, (results[0].rest, engine_started))
-        reward = self._reward(served, max(r.metrics.new_tokens for r in results) - 1, costs)
+        reward = self._reward(arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
         learn_started = time.perf_counter()
         siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling, costs)
         with self._policy_lock:
@@ -505,8 +609,8 @@ class AutotuneController:
                 for i, result in session.finished():
                     cls, labelled, feats, sp, since, began = requests.pop(i)
                     with self._policy_lock:
-                        off_s, taken_s = self._row_times(result.metrics,
-                                                         self.costs.get(load_bucket(segment["context"].load)))
+                        off_s, taken_s = self._row_times(result.arm, result.metrics,
+                                                         self._costs_of(segment["context"]))
                     served = ControlledResult(
                         result.text, result.tokens, cls, result.arm, result.metrics, result.metrics.tokens_per_s,
                         off_s / taken_s if taken_s > 0 else 1.0, segment["decision_s"], 0.0, segment["context"].load,
@@ -541,33 +645,41 @@ class AutotuneController:
                 fits: Callable[[Arm], bool] | None = None) -> tuple[Context, Arm]:
         """The policy's arm for `context`, or OFF where it must be OFF (the one place that overrides
         a policy): a learning policy's rewards are speedups over OFF, so at a load where OFF's
-        step (and, for continuous batches' `segments`, OFF's rounds) has not been measured yet
-        nothing could be learned; and an arm whose drafter cannot take the requests (`fits`
-        False) would lose them, where OFF serves any request the target takes."""
+        step (and, for continuous batches' `segments`, OFF's rounds) has not been measured yet,
+        or not for `remeasure_off_every` requests, nothing could be learned true to scale; and
+        an arm whose drafter cannot take the requests (`fits` False) would lose them, where OFF
+        serves any request the target takes."""
         with self._policy_lock:
             arm = self.policy.choose(context)
             self._check_arm(arm)
             if arm.is_off:
                 return context, arm
-            bucket = load_bucket(context.load)
             if segments:  # priced by OFF segments at this load or the nearest (see _learn_segment)
-                priced = self._off_decode_factor(bucket) is not None
+                priced = self._off_decode_factor(context) is not None
             else:
-                costs = self.costs.get(bucket)
-                priced = costs is not None and costs.off_rounds() >= self.min_baseline_steps
+                costs = self._costs_of(context)
+                priced = (costs is not None and costs.off_rounds() >= self.min_baseline_steps
+                          and costs.since_off < self.remeasure_off_every)
             if (self.policy.learns and not priced) or (fits is not None and not fits(arm)):
                 arm = OFF
         return context, arm
 
-    def _off_decode_factor(self, bucket: str) -> float | None:
-        """Engine seconds per verify second of OFF rounds in continuous batches at this load bucket,
-        else at the nearest bucket where OFF segments ran (rows drift between buckets during a
-        segment, so a decision's bucket may not be the one its segment is learned in); None
-        before any ran (called holding the policy lock)."""
-        here = LOAD_BUCKETS.index(bucket)
+    def _costs_of(self, context: Context) -> CostModel | None:
+        """The measured costs of requests like `context`'s (its load, greedy or sampled)."""
+        return self.costs.get(cost_key(load_bucket(context.load), _sampled(context)))
+
+    def _off_decode_factor(self, context: Context) -> float | None:
+        """Engine seconds per verify second of OFF rounds in continuous batches at the context's
+        load bucket, else at the nearest bucket where OFF segments ran (rows drift between
+        buckets during a segment, so a decision's bucket may not be the one its segment is
+        learned in), of requests sampled as its first or else the others; None before any ran
+        (called holding the policy lock)."""
+        here = LOAD_BUCKETS.index(load_bucket(context.load))
         for other in sorted(LOAD_BUCKETS, key=lambda b: abs(LOAD_BUCKETS.index(b) - here)):
-            if other in self.costs and (factor := self.costs[other].off_decode_factor()) is not None:
-                return factor
+            for sampled in (_sampled(context), not _sampled(context)):
+                costs = self.costs.get(cost_key(other, sampled))
+                if costs is not None and (factor := costs.off_decode_factor()) is not None:
+                    return factor
         return None
 
     @staticmethod
@@ -601,13 +713,13 @@ class AutotuneController:
         context = Context(context.request_class, max(1, round(rows / done.rounds)), context.features)
         taken = done.total_s - (done.prefill_s - done.draft_prefill_s)
         with self._policy_lock:
-            costs = self.costs.setdefault(load_bucket(context.load), CostModel())
+            costs = self.costs.setdefault(cost_key(load_bucket(context.load), _sampled(context)), CostModel())
             # a drafter's prefill here covers whole contexts, not prompts: it prices no prompt token
             costs.observe(arm, dataclasses.replace(done, draft_prefill_s=0.0), drafts=not session.fell_back)
             if arm.is_off:
                 costs.observe_off_decode(taken, done.verify_s)
-            step = costs.off_step_during(done)
-            factor = self._off_decode_factor(load_bucket(context.load))
+            step = costs.off_step_during(done, arm.drafter)
+            factor = self._off_decode_factor(context)
             if factor is None or step is None:
                 return
             reward = gain * done.rounds * step * factor / taken if taken > 0 else 1.0
@@ -649,11 +761,11 @@ class AutotuneController:
         return True
 
     @staticmethod
-    def _row_times(metrics: GenerationMetrics, costs: CostModel | None) -> tuple[float, float]:
+    def _row_times(arm: Arm, metrics: GenerationMetrics, costs: CostModel | None) -> tuple[float, float]:
         """(seconds OFF would have taken, seconds taken) for one request of a continuous batch, its
         own work only: its prefill and the rounds it was in (called holding the policy lock).
         Both 0 before any OFF step cost is known."""
-        step = costs.off_step_during(metrics) if costs is not None else None
+        step = costs.off_step_during(metrics, arm.drafter) if costs is not None else None
         if step is None:
             return 0.0, 0.0
         off_s = metrics.prefill_s - metrics.draft_prefill_s + max(metrics.new_tokens - 1, 0) * step
@@ -692,7 +804,7 @@ class AutotuneController:
                                functools.partial(costs.draft_cost, arm.drafter))
 
     @staticmethod
-    def _reward(metrics: GenerationMetrics, off_steps: int, costs: CostModel) -> float:
+    def _reward(arm: Arm, metrics: GenerationMetrics, off_steps: int, costs: CostModel) -> float:
         """Speedup over OFF on this very request: (target's prefill + output steps x OFF step) / time taken.
 
         The OFF step is the one `costs` (this load's) infers from the request's own verifies, so
@@ -702,7 +814,7 @@ class AutotuneController:
         load. A batch's OFF steps are its longest output's (`off_steps`), each step decoding
         every row. The drafter's prefill is the arm's cost, not OFF's.
         """
-        step = costs.off_step_during(metrics)
+        step = costs.off_step_during(metrics, arm.drafter)
         if step is None or metrics.total_s <= 0:
             return 1.0
         off_s = metrics.prefill_s - metrics.draft_prefill_s + max(off_steps, 0) * step

@@ -34,6 +34,7 @@ from engine.sampling import adjust_logits, probabilities
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
 
 
+OFF_ROUNDS = "off"  # who drafted a verify's tokens when no one did
 WINDOW = 32  # requests each cost is the median of: a burst shorter than half of them moves no estimate
 
 
@@ -74,9 +75,11 @@ class CostModel:
         self.window = window
         # drafter -> K -> [[s per round, steps per round, rounds]], a request each
         self.draft: dict[str, dict[int, list[list[float]]]] = {}
-        self.verify: dict[int, list[list[float]]] = {}  # tokens per verify -> [[s per round, rounds]]
-        self.prefill: dict[str, list[list[float]]] = {}  # drafter -> [[s per prompt token, prompt tokens]]
+        # who drafted (OFF_ROUNDS: no one) -> tokens per verify -> [[s per round, rounds]], a request each
+        self.verify: dict[str, dict[int, list[list[float]]]] = {}
+        self.prefill: dict[str, list[list[float]]] = {}  # drafter -> [[seconds, prompt tokens]], a request each
         self.off_decode: list[list[float]] = []  # OFF in continuous batches: [[engine s per verify s, verify s]]
+        self.since_off = 0  # requests observed since the last one that measured OFF's step
 
     def _add(self, observations: list, value) -> None:
         observations.append(value)
@@ -86,16 +89,22 @@ class CostModel:
         """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it)."""
         if not metrics.rounds:
             return
+        self.since_off = self.since_off + 1 if metrics.drafted else 0
         if metrics.draft_steps and metrics.draft_rounds and drafts:
             row = self.draft.setdefault(arm.drafter, {}).setdefault(arm.k, [])
             self._add(row, [metrics.draft_s / metrics.draft_rounds, metrics.draft_rounds,
                             metrics.draft_steps / metrics.draft_rounds])
         if metrics.draft_prefill_s > 0 and metrics.prompt_tokens:
-            self._add(self.prefill.setdefault(arm.drafter, []),
-                      [metrics.draft_prefill_s / metrics.prompt_tokens, metrics.prompt_tokens])
+            self._add(self.prefill.setdefault(arm.drafter, []), [metrics.draft_prefill_s, metrics.prompt_tokens])
+        # Verifies are kept per drafter: one that follows a model's drafts finds the target's weights
+        # evicted from the CPU caches (a 1-token one costs 1.1-1.6x an OFF step on the demo family),
+        # one after a lookup does not. Priced alike, a 1-token verify among drafting rounds made
+        # every wider verify look cheap and rewards 22 % too high, and a hybrid's verifies after
+        # lookups made a model drafter's look cheap (its rewards 11 % too high).
+        table = self.verify.setdefault(arm.drafter if metrics.drafted else OFF_ROUNDS, {})
         for width, (seconds, rounds) in metrics.verify_by_width.items():  # as fed: n-gram rounds vary
-            if rounds:
-                self._add(self.verify.setdefault(width, []), [seconds / rounds, rounds])
+            if rounds and not (width == 1 and metrics.drafted):
+                self._add(table.setdefault(width, []), [seconds / rounds, rounds])
 
     def observe_off_decode(self, seconds: float, verify_s: float) -> None:
         """Add OFF rounds of a continuous batch: all their engine seconds (rows joining and
@@ -109,7 +118,7 @@ class CostModel:
 
     def state_dict(self) -> dict:
         return {"window": self.window, "draft": self.draft, "verify": self.verify, "prefill": self.prefill,
-                "off_decode": self.off_decode}
+                "off_decode": self.off_decode, "since_off": self.since_off}
 
     @classmethod
     def from_state(cls, state: dict) -> CostModel:
@@ -120,54 +129,70 @@ class CostModel:
         if "window" not in state:
             costs.draft = {d: {int(k): [[s / n, n, steps / n]] for k, (s, n, steps) in rows.items() if n > 0}
                            for d, rows in state["draft"].items()}
-            costs.verify = {int(w): [[s / n, n]] for w, (s, n) in state["verify"].items() if n > 0}
-            costs.prefill = {d: [[s / t, t]] for d, (s, t) in state["prefill"].items() if t > 0}
+            costs.verify = {OFF_ROUNDS: {int(w): [[s / n, n]] for w, (s, n) in state["verify"].items() if n > 0}}
+            costs.prefill = {d: [[s / t, 1.0]] for d, (s, t) in state["prefill"].items() if t > 0}
             seconds, verify_s = state.get("off_decode", (0.0, 0.0))
             costs.off_decode = [[seconds / verify_s, verify_s]] if verify_s > 0 else []
             return costs
         costs.draft = {d: {int(k): [list(o) for o in obs] for k, obs in rows.items()}
                        for d, rows in state["draft"].items()}
-        costs.verify = {int(w): [list(o) for o in obs] for w, obs in state["verify"].items()}
+        costs.verify = {who: {int(w): [list(o) for o in obs] for w, obs in table.items()}
+                        for who, table in state["verify"].items()}
         costs.prefill = {d: [list(o) for o in obs] for d, obs in state["prefill"].items()}
         costs.off_decode = [list(o) for o in state["off_decode"]]
+        costs.since_off = int(state.get("since_off", 0))
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:
         """Seconds for the drafter to take in a prompt (on long prompts in a batch of 16, a third
-        of the target's own prefill with the demo family); 0 before it was measured."""
+        of the target's own prefill with the demo family); 0 before it was measured.
+
+        A line in the prompt's tokens (a forward's fixed cost, then a cost per token), fitted by
+        Theil-Sen (the median slope over pairs of requests, so one slow request does not tilt
+        it): priced per token at the median, long prompts' prefill cost 1.4x what they took and
+        short ones' too little, and rewards of model drafters fell 11 % short on long prompts."""
         observations = self.prefill.get(drafter)
-        return _median(observations) * prompt_tokens if observations else 0.0
+        if not observations:
+            return 0.0
+        slopes = [[(s2 - s1) / (t2 - t1), 1.0] for i, (s1, t1) in enumerate(observations)
+                  for s2, t2 in observations[i + 1:] if t2 != t1]
+        if not slopes:  # prompts of one length: per token
+            return _median([[s / t, 1.0] for s, t in observations]) * prompt_tokens
+        slope = max(0.0, _median(slopes))
+        intercept = max(0.0, _median([[s - slope * t, 1.0] for s, t in observations]))
+        return intercept + slope * prompt_tokens
 
     def off_rounds(self) -> float:
         """1-token rounds behind the OFF step's estimate (the window's)."""
-        return sum(rounds for _, rounds in self.verify.get(1, []))
+        return sum(rounds for _, rounds in self.verify.get(OFF_ROUNDS, {}).get(1, []))
 
     def off_step(self) -> float | None:
         """Seconds of a measured 1-token step (an OFF round) at this load; None before one ran."""
-        observations = self.verify.get(1)
+        observations = self.verify.get(OFF_ROUNDS, {}).get(1)
         return _median(observations) if observations else None
 
-    def relative_verify_cost(self, tokens: int) -> float | None:
-        """A verify of `tokens` in 1-token steps, never below 1 (None before a 1-token step ran):
-        whatever the noise in either estimate, a wider verify does at least a step's work."""
-        one, cost = self.off_step(), self.verify_cost(tokens)
+    def relative_verify_cost(self, tokens: int, drafter: str | None = None) -> float | None:
+        """A verify of `tokens` after `drafter`'s drafts in 1-token steps, never below 1 (None before
+        a 1-token step ran): whatever the noise in either estimate, a wider verify does at least a
+        step's work."""
+        one, cost = self.off_step(), self.verify_cost(tokens, drafter)
         if one is None or cost is None:
             return None
         return max(1.0, cost / one)
 
-    def off_step_during(self, metrics) -> float | None:
+    def off_step_during(self, metrics, drafter: str | None = None) -> float | None:
         """What an OFF step would have cost while this request ran.
 
         The machine's speed moves by +-25 % from one request to the next (the demo family's OFF
         steps: 6.5-13.5 ms per request at load 1, whatever the prompt), so an OFF step measured
         on other requests says little about this one. The request's own verifies do: their
-        seconds, over what its verify widths cost in 1-token steps at this load, are its
-        1-token step. None until a 1-token step has run at this load.
+        seconds, over what its verify widths cost in 1-token steps at this load after `drafter`'s
+        drafts, are its 1-token step. None until a 1-token step has run at this load.
         """
         relative = 0.0
         for width, (_, rounds) in metrics.verify_by_width.items():
             if rounds:
-                steps = self.relative_verify_cost(width)
+                steps = self.relative_verify_cost(width, drafter)
                 if steps is None:
                     return None
                 relative += rounds * steps
@@ -193,15 +218,22 @@ class CostModel:
             return mean_y / mean_x * k
         return per_round + per_step * k
 
-    def verify_cost(self, tokens: int) -> float | None:
-        """Seconds of a verify of `tokens`: measured, else a least-squares line through the measured ones.
+    def verify_cost(self, tokens: int, drafter: str | None = None) -> float | None:
+        """Seconds of a verify of `tokens` after `drafter`'s drafts (None: OFF's, or any drafter's):
+        measured after that drafter's, else after any drafter's, else a least-squares line through
+        those measured.
 
         The line for a multi-token verify goes through multi-token verifies only: a 1-token step
         skips work that every longer one pays once (eager attention builds a causal mask for more
         than one query), 26 % of a step on the demo family against ~5 % per extra token, so a line
         through it would price large K at twice their cost until they had been played.
         """
-        points = {t: _median(obs) for t, obs in self.verify.items() if obs}
+        pooled: dict[int, list] = {}
+        for table in self.verify.values():
+            for width, obs in table.items():
+                pooled.setdefault(width, []).extend(obs)
+        own = self.verify.get(drafter if drafter is not None else OFF_ROUNDS, {})
+        points = {t: _median(own.get(t) or obs) for t, obs in pooled.items() if obs}
         if tokens in points:
             return points[tokens]
         if tokens > 1:
@@ -239,17 +271,23 @@ def _teacher_forced_logits(model, sequence: list[int], start: int, sampling: Sam
 
 
 def model_chains(drafter: ModelDrafter, sequence: list[int], start: int, k: int,
-                 target: torch.Tensor | None, sampling: SamplingParams | None) -> list[list[float]]:
+                 target: torch.Tensor | None, sampling: SamplingParams | None,
+                 memo: dict | None = None) -> list[list[float]]:
     """For each position t >= start: the acceptance probability of each of k drafts from there.
 
     `target` None means greedy: a draft is kept exactly when the drafter's argmax is the output.
+    `memo` (one per sequence) keeps each model's acceptances, so drafters that run the same model
+    (a model drafter and a hybrid of it) pay for one forward.
     """
-    logits = _teacher_forced_logits(drafter.model, sequence, start, sampling)
-    if target is None:
-        accept = (logits.argmax(-1) == torch.tensor(sequence[start:], device=logits.device)).float()
-    else:
-        accept = torch.minimum(target, probabilities(logits, sampling)).sum(-1)
-    accept = accept.tolist()
+    memo = memo if memo is not None else {}
+    if drafter.model not in memo:
+        logits = _teacher_forced_logits(drafter.model, sequence, start, sampling)
+        if target is None:
+            accept = (logits.argmax(-1) == torch.tensor(sequence[start:], device=logits.device)).float()
+        else:
+            accept = torch.minimum(target, probabilities(logits, sampling)).sum(-1)
+        memo[drafter.model] = accept.tolist()
+    accept = memo[drafter.model]
     return [accept[j:j + k] for j in range(len(accept))]
 
 
@@ -284,7 +322,14 @@ def expected_accepted(chain: list[float], k: int) -> float:
 
 
 def replay(chains: list[list[float]], proposed: list[int] | None, k: int, max_new_tokens: int) -> list[int]:
-    """Tokens drafted in each round of a request replayed at constant K (the engine's own loop).
+    """Tokens drafted in each round of a request replayed at constant K (the engine's own loop)."""
+    return [drafted for _, drafted in replay_rounds(chains, proposed, k, max_new_tokens)]
+
+
+def replay_rounds(chains: list[list[float]], proposed: list[int] | None, k: int,
+                  max_new_tokens: int) -> list[tuple[int, int]]:
+    """(position of `chains` it starts at, tokens drafted) of each round of a request replayed at
+    constant K (the engine's own loop).
 
     Position 0 of `chains` is the first output position a round starts at (the token after the
     prefill's), i.e. output index 1. A sampled replay advances by expected, fractional amounts.
@@ -296,7 +341,7 @@ def replay(chains: list[list[float]], proposed: list[int] | None, k: int, max_ne
     # hair under a whole token; the tolerance covers thousands of drafts of that.
     while (j := int(committed + 1e-3) - 1) < len(chains):
         k_round = max(0, min(k, max_new_tokens - j - 2, proposed[j] if proposed is not None else k))
-        rounds.append(k_round)
+        rounds.append((j, k_round))
         committed += expected_accepted(chains[j], k_round) + 1
     return rounds
 
@@ -308,17 +353,31 @@ def batch_rounds(per_row: list[list[int]]) -> list[int]:
 
 
 def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: torch.Tensor | None,
-                   sampling: SamplingParams | None) -> tuple[list[list[float]], list[int] | None]:
-    """(chains, tokens proposed) from every position for a model, n-gram or hybrid drafter (proposed
-    None: always k). A hybrid drafts by lookup wherever lookup proposes, else by its model."""
+                   sampling: SamplingParams | None, memo: dict | None = None
+                   ) -> tuple[list[list[float]], list[int] | None, list[bool] | None]:
+    """(chains, tokens proposed, drafted by lookup) from every position for a model, n-gram or
+    hybrid drafter (proposed None: always k; by lookup None: not a hybrid). A hybrid drafts by
+    lookup wherever lookup proposes, else by its model. `memo`: see `model_chains`."""
     if isinstance(drafter, NGramDrafter):
-        return ngram_chains(drafter, sequence, start, k, target)
+        return (*ngram_chains(drafter, sequence, start, k, target), None)
     if isinstance(drafter, HybridDrafter):
         looked_up, proposed = ngram_chains(drafter.lookup, sequence, start, k, target)
-        modelled = model_chains(drafter.model_drafter, sequence, start, k, target, sampling)
+        modelled = model_chains(drafter.model_drafter, sequence, start, k, target, sampling, memo)
         return ([a if n else b for a, n, b in zip(looked_up, proposed, modelled)],
-                [n or k for n in proposed])
-    return model_chains(drafter, sequence, start, k, target, sampling), None
+                [n or k for n in proposed], [n > 0 for n in proposed])
+    return model_chains(drafter, sequence, start, k, target, sampling, memo), None, None
+
+
+def hybrid_parts(engine: SpeculativeEngine, name: str) -> tuple[str | None, str] | None:
+    """The engine's drafters that run what hybrid drafter `name` runs: (an n-gram drafter or None,
+    the model drafter of the same model); None if `name` is no hybrid or no drafter runs its model."""
+    hybrid = engine.drafters.get(name)
+    if not isinstance(hybrid, HybridDrafter):
+        return None
+    model = next((n for n, d in engine.drafters.items()
+                  if isinstance(d, ModelDrafter) and d.model is hybrid.model_drafter.model), None)
+    lookup = next((n for n, d in engine.drafters.items() if isinstance(d, NGramDrafter)), None)
+    return None if model is None else (lookup, model)
 
 
 def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int], max_new_tokens: int,
@@ -326,7 +385,7 @@ def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: l
     """Tokens drafted per round had `arm` served this request (one entry per round; expected if sampled)."""
     sequence, start = prompt + output, len(prompt) + 1
     target = None if sampling is None or sampling.greedy else target_probabilities(engine, sequence, start, sampling)
-    chains, proposed = drafter_chains(engine.drafters[arm.drafter], sequence, start, arm.k, target, sampling)
+    chains, proposed, _ = drafter_chains(engine.drafters[arm.drafter], sequence, start, arm.k, target, sampling)
     return replay(chains, proposed, arm.k, max_new_tokens)
 
 
@@ -340,6 +399,12 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     lasts until its slowest row is done, at the costs measured at the batch's load. `prefill_s`
     is the target's prefill, which every arm pays; a drafter's own is priced from `costs`.
     `sampling`: one for every request, or one per request (a batch may mix greedy and sampled).
+
+    A hybrid's rounds of one request are priced by who drafted them, at the costs of the
+    engine's n-gram drafter and of the model drafter that runs its model (`hybrid_parts`): its
+    own cost per round is an average over the requests it served, whose share of lookup rounds
+    differs from this one's (copy-heavy code: most; chat: few), and priced so its replays were
+    16 % short of its measured speedup.
     """
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(requests)
     kept = [i for i, r in enumerate(requests) if len(r[1]) >= 2]
@@ -348,7 +413,15 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
         return {}
     off_rounds = max(len(output) for _, output, _ in requests) - 1
     off_time = prefill_s + off_rounds * off_step_s
-    known = [a for a in arms if a.is_off or costs.draft_cost(a.drafter, a.k) is not None]  # others never served
+    draft_cost = functools.cache(costs.draft_cost)
+    parts = {a.drafter: hybrid_parts(engine, a.drafter) for a in arms if not a.is_off}
+    parts = {name: p for name, p in parts.items() if p is not None and draft_cost(p[1], 1) is not None
+             and len(requests) == 1}
+
+    def priced(arm: Arm) -> bool:
+        return arm.is_off or arm.drafter in parts or draft_cost(arm.drafter, arm.k) is not None
+
+    known = [a for a in arms if priced(a)]  # others never served
     longest = {}  # drafter -> its largest K: shorter K replay the same chains
     for arm in known:
         if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter, HybridDrafter)):
@@ -358,27 +431,33 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
     targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
                else None for sequence, start, sp in zip(sequences, starts, samplings)]
-    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp)
-                          for sequence, start, target, sp in zip(sequences, starts, targets, samplings)]
+    memos = [{} for _ in sequences]  # per sequence: each model's acceptances, computed once
+    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp, memo)
+                          for sequence, start, target, sp, memo in zip(sequences, starts, targets, samplings, memos)]
                    for name, k in longest.items()}
     # In 1-token steps, as the played arm's reward prices them: never below one (the same few widths each round)
-    verify_steps = functools.cache(costs.relative_verify_cost)
-    draft_cost = functools.cache(costs.draft_cost)
+    verify_steps = functools.cache(costs.relative_verify_cost)  # (tokens, drafter)
     estimates = {}
     for arm in known:
         if arm.is_off:
-            rounds = [0] * off_rounds
+            rounds, draft = [(0, None)] * off_rounds, 0.0  # (tokens drafted, by which drafter)
+        elif arm.drafter in parts:
+            (lookup, model), (chains, proposed, looked_up) = parts[arm.drafter], chain_table[arm.drafter][0]
+            rounds = [(k, lookup if looked_up[j] else model) for j, k in replay_rounds(chains, proposed, arm.k,
+                                                                                         requests[0][2])]
+            draft = sum(draft_cost(who, k) or 0.0 for k, who in rounds if k and who is not None)
+            draft += (costs.draft_prefill_cost(arm.drafter, prompt_tokens)
+                      or costs.draft_prefill_cost(model, prompt_tokens))
         elif arm.drafter in chain_table:
             per_row = [replay(chains, proposed, arm.k, max_new)
-                       for (chains, proposed), (_, _, max_new) in zip(chain_table[arm.drafter], requests)]
-            rounds = batch_rounds(per_row)
+                       for (chains, proposed, _), (_, _, max_new) in zip(chain_table[arm.drafter], requests)]
+            rounds = [(k, arm.drafter) for k in batch_rounds(per_row)]
+            draft = (sum(draft_cost(arm.drafter, k) for k, _ in rounds if k)
+                     + costs.draft_prefill_cost(arm.drafter, prompt_tokens))
         else:
             continue
-        verify = [verify_steps(k + 1) for k in rounds]
+        verify = [verify_steps(k + 1, who if k else None) for k, who in rounds]
         if any(v is None for v in verify):
             continue
-        verify = [v * off_step_s for v in verify]
-        draft = 0.0 if arm.is_off else (sum(draft_cost(arm.drafter, k) for k in rounds if k)
-                                         + costs.draft_prefill_cost(arm.drafter, prompt_tokens))
-        estimates[str(arm)] = off_time / (prefill_s + draft + sum(verify))
+        estimates[str(arm)] = off_time / (prefill_s + draft + sum(v * off_step_s for v in verify))
     return estimates

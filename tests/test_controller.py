@@ -77,7 +77,7 @@ def test_a_batch_is_served_learned_and_recorded_under_its_load(engine, target, t
     assert any(str(b[0].arm) != "off" for b in batches[1:])  # then it learns, with estimates for every arm
     state = ctl.policy.state_dict()
     assert "code@load5+" in state and "code@load1" in state  # learned apart: costs differ by load
-    assert set(ctl.costs) == {"5+", "1"} and alone.load == 1
+    assert set(ctl.costs) == {"1", "1 sampled", "5+", "5+ sampled"} and alone.load == 1  # by load and sampling
     assert len(rows) == 25 and sorted({r["load"] for r in rows}) == [1, 6]
 
 
@@ -96,7 +96,7 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         # and the measured costs: rewards and replays price arms as before the restart
         assert {b: c.state_dict() for b, c in resumed.costs.items()} == {b: c.state_dict()
                                                                          for b, c in ctl.costs.items()}
-        assert set(resumed.costs) == {"1"} and resumed.costs["1"].off_step() > 0
+        assert set(resumed.costs) == {"1", "1 sampled"} and resumed.costs["1"].off_step() > 0
         assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
         # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
@@ -141,8 +141,8 @@ class ReplayRecorder(Policy):
 
 
 @pytest.mark.parametrize("budget, expected", [
-    (0.0, [False, True, True, False, False, False, False]),  # none after learning: each is charged first
-    (1e9, [False, True, True, True, True, True, True]),  # a budget that never runs out
+    (0.0, [True, True, True, False, False, False, False]),  # none after learning: each is charged first
+    (1e9, [True] * 7),  # a budget that never runs out
 ])
 def test_counterfactuals_are_replayed_while_learning_then_within_a_time_budget(engine, budget, expected):
     policy = ReplayRecorder([OFF, Arm("small", 2), Arm("ngram", 3)])
@@ -150,8 +150,8 @@ def test_counterfactuals_are_replayed_while_learning_then_within_a_time_budget(e
                              counterfactual_budget=budget)
     for p in PROMPTS[:7]:
         ctl.generate(p, "code", max_new_tokens=8)
-    # Request 1 is the OFF baseline (no drafter cost known yet: nothing to estimate); 2 and 3 are
-    # still learning; after that a replay runs only while replays, itself included, fit in the budget.
+    # Requests 1 to 3 are learning (the costs were calibrated before the first, so it is replayed too);
+    # after that a replay runs only while replays, itself included, fit in the budget.
     assert policy.replayed == expected
 
 
@@ -523,21 +523,21 @@ def test_the_reward_compares_a_request_with_off_on_the_same_request():
     # OFF: 10 ms prefill, 63 decode steps of 5 ms.
     normal = GenerationMetrics(new_tokens=64, rounds=63, prefill_s=0.01, verify_s=0.315, total_s=0.325,
                                verify_by_width={1: [0.315, 63]})
-    assert AutotuneController._reward(normal, 63, costs) == 1.0  # nothing to price it with yet
+    assert AutotuneController._reward(OFF, normal, 63, costs) == 1.0  # nothing to price it with yet
     costs.observe(OFF, normal)
-    assert AutotuneController._reward(normal, 63, costs) == pytest.approx(1.0)
+    assert AutotuneController._reward(OFF, normal, 63, costs) == pytest.approx(1.0)
     # An OFF request that stops after one token has no decode step: nothing to infer a step from.
     early_eos = GenerationMetrics(new_tokens=1, rounds=0, prefill_s=0.02, total_s=0.02)
-    assert AutotuneController._reward(early_eos, 0, costs) == pytest.approx(1.0)
+    assert AutotuneController._reward(OFF, early_eos, 0, costs) == pytest.approx(1.0)
     # A speculative request of 33 tokens in 0.1 s, 10 verifies of 3 tokens priced at a 1-token step
     # each (nothing says otherwise yet): OFF would have taken 0.01 + 32 x 5 ms.
     spec = GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.01, verify_s=0.054, total_s=0.1,
                              verify_by_width={3: [0.054, 10]})
-    assert AutotuneController._reward(spec, 32, costs) == pytest.approx(0.17 / 0.1)
+    assert AutotuneController._reward(Arm("small", 2), spec, 32, costs) == pytest.approx(0.17 / 0.1)
     # Its short output does not make it look slow, nor a long prompt's prefill.
     long_prompt = GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.2, verify_s=0.054, total_s=0.29,
                                     verify_by_width={3: [0.054, 10]})
-    assert AutotuneController._reward(long_prompt, 32, costs) == pytest.approx(0.36 / 0.29)
+    assert AutotuneController._reward(Arm("small", 2), long_prompt, 32, costs) == pytest.approx(0.36 / 0.29)
 
 
 def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_at_full_speed():
@@ -550,14 +550,15 @@ def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_a
     costs.observe(OFF, off)
 
     def spec(speed: float) -> GenerationMetrics:  # 33 tokens in 10 rounds of a 6 ms verify, 2 ms drafting
-        return GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.013 / speed, draft_prefill_s=0.003 / speed,
+        return GenerationMetrics(new_tokens=33, rounds=10, drafted=20, draft_steps=20, draft_rounds=10,
+                                 prefill_s=0.013 / speed, draft_prefill_s=0.003 / speed,
                                  draft_s=0.02 / speed, verify_s=0.06 / speed, total_s=0.093 / speed,
                                  verify_by_width={3: [0.06 / speed, 10]})
 
     costs.observe(Arm("small", 2), spec(1.0))
     # OFF: the target's prefill (not the drafter's) + 32 steps of 5 ms, where the arm took 93 ms.
-    assert AutotuneController._reward(spec(1.0), 32, costs) == pytest.approx(0.17 / 0.093)
-    assert AutotuneController._reward(spec(0.5), 32, costs) == pytest.approx(0.17 / 0.093)
+    assert AutotuneController._reward(Arm("small", 2), spec(1.0), 32, costs) == pytest.approx(0.17 / 0.093)
+    assert AutotuneController._reward(Arm("small", 2), spec(0.5), 32, costs) == pytest.approx(0.17 / 0.093)
 
 
 def test_no_reward_exceeds_the_tokens_its_rounds_committed_on_a_noisy_machine(engine, tmp_path):
@@ -569,10 +570,10 @@ def test_no_reward_exceeds_the_tokens_its_rounds_committed_on_a_noisy_machine(en
 
     arms = [OFF, Arm("small", 1), Arm("small", 3), Arm("ngram", 3)]
     with Store(f"sqlite:///{tmp_path / 'noisy.db'}") as store:
-        ctl = AutotuneController(engine, store, policy="ucb", arms=arms, min_baseline_steps=4)
-        with InjectedDelays([engine.target], burst_rate=1.0, burst_length=1000, slowdown=10.0):
+        ctl = AutotuneController(engine, store, policy="ucb", arms=arms, min_baseline_steps=4, calibrate=False)
+        with InjectedDelays([engine.target], burst_rate=1e6, burst_s=1e6, slowdown=10.0):  # all of it
             ctl.generate(PROMPTS[0], "code", max_new_tokens=16)
-        with InjectedDelays([engine.target], seed=1, burst_rate=0.05, burst_length=3, slowdown=20.0):
+        with InjectedDelays([engine.target], seed=1, burst_rate=20.0, burst_s=0.01, slowdown=20.0):
             for i, prompt in enumerate(PROMPTS[1:] * 2):
                 ctl.generate(prompt, "docs" if i % 2 else "code", max_new_tokens=16)
         ctl.close()
@@ -645,11 +646,14 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
 
 def test_a_learning_policy_serves_off_until_its_load_has_enough_off_steps_in_any_class(engine):
     policy = ReplayRecorder([OFF, Arm("small", 2)])  # a learning policy that always asks for small:2
-    ctl = AutotuneController(engine, policy=policy, min_baseline_steps=20)
+    ctl = AutotuneController(engine, policy=policy, min_baseline_steps=20, calibrate=False)
     arms = [str(ctl.generate(PROMPTS[i], request_class="code", max_new_tokens=8).arm) for i in range(4)]
     assert arms == ["off", "off", "off", "small:2"]  # 7 + 7 + 7 decode steps reach 20 only after the third
     # OFF's step is a property of the load, not of the class: a new class speculates at once
     assert str(ctl.generate(PROMPTS[4], request_class="docs", max_new_tokens=8).arm) == "small:2"
+    # Calibrated before its first request (the default), a controller needs no OFF request at all
+    calibrated = AutotuneController(engine, policy=ReplayRecorder([OFF, Arm("small", 2)]))
+    assert str(calibrated.generate(PROMPTS[0], request_class="code", max_new_tokens=8).arm) == "small:2"
     static = AutotuneController(engine, policy="static", arms=[OFF], arm="small:2")
     assert str(static.generate(PROMPTS[0], request_class="code", max_new_tokens=8).arm) == "small:2"
 

@@ -108,6 +108,40 @@ def test_a_burst_of_other_work_moves_no_cost_and_no_verify_is_priced_below_a_ste
     assert costs.verify_cost(3) == pytest.approx(0.012)
 
 
+def test_only_rounds_that_drafted_nothing_price_an_off_step():
+    """A 1-token verify among drafting rounds finds the target's weights evicted by the drafter:
+    dearer than an OFF step, it would make wider verifies look cheap and rewards too high."""
+    costs = CostModel()
+    verified(costs, 1, 0.005)
+    costs.observe(Arm("small", 2), GenerationMetrics(
+        rounds=20, drafted=38, draft_steps=38, draft_rounds=19, draft_s=0.02, verify_s=0.131,
+        verify_by_width={3: [0.124, 19], 1: [0.007, 1]}))
+    assert costs.off_step() == pytest.approx(0.005) and costs.verify_cost(3) == pytest.approx(0.124 / 19)
+
+
+def test_a_verify_is_priced_as_it_costs_after_its_own_drafters_drafts():
+    """After a lookup the target's weights are still in the CPU caches, after a model's drafts
+    they are not: one table for both made a model drafter's verifies look cheap."""
+    costs = CostModel()
+    verified(costs, 1, 0.005)
+    for drafter, seconds in (("ngram", 0.006), ("small", 0.008)):
+        verifies = {5: [10 * seconds, 10]}
+        costs.observe(Arm(drafter, 4), GenerationMetrics(rounds=10, drafted=40, draft_steps=40, draft_rounds=10,
+                                                         verify_s=10 * seconds, verify_by_width=verifies))
+    assert costs.relative_verify_cost(5, "ngram") == pytest.approx(1.2)
+    assert costs.relative_verify_cost(5, "small") == pytest.approx(1.6)
+    assert costs.relative_verify_cost(5, "medium") == pytest.approx(1.4)  # never played: every drafter's median
+
+
+def test_a_drafters_prefill_is_a_forward_plus_a_cost_per_token():
+    costs = CostModel()
+    for tokens, seconds in [(100, 0.003), (400, 0.006), (200, 0.004), (700, 0.009), (300, 0.050)]:  # one slow
+        costs.observe(Arm("small", 2), GenerationMetrics(rounds=1, prompt_tokens=tokens, draft_prefill_s=seconds))
+    assert costs.draft_prefill_cost("small", 1000) == pytest.approx(0.012)  # 2 ms + 10 us a token
+    assert costs.draft_prefill_cost("small", 50) == pytest.approx(0.0025)
+    assert costs.draft_prefill_cost("ngram", 1000) == 0.0  # never measured
+
+
 def test_the_off_step_is_inferred_from_the_requests_own_verifies():
     """The machine's speed moves by +-25 % between requests; an OFF step measured on other
     requests would make a request that ran at a slow moment look slower than OFF."""
@@ -137,7 +171,7 @@ def test_each_arm_pays_its_own_drafters_prefill(engine):
     costs.observe(Arm("small", 2), spec.metrics)
     replay = [(prompt, off.tokens, 24)]
     before = arm_rewards(engine, [Arm("small", 2)], costs, replay, off.metrics.prefill_s, costs.off_step())
-    costs.prefill["small"] = [[1.0 / len(prompt), len(prompt)]]  # a drafter that takes a second over this prompt
+    costs.prefill["small"] = [[1.0, len(prompt)]]  # a drafter that takes a second over this prompt
     after = arm_rewards(engine, [Arm("small", 2)], costs, replay, off.metrics.prefill_s, costs.off_step())
     assert 1 / after["small:2"] - 1 / before["small:2"] == pytest.approx(1.0 / off.metrics.total_s, rel=0.05)
 

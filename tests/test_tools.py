@@ -363,3 +363,49 @@ def test_bench_serves_client_process_answers_a_failed_client_with_its_error():
     ours.send("stop")
     process.join(10)
     assert isinstance(answer, RuntimeError) and "2 of 2 clients failed" in str(answer) and "refused" in str(answer)
+
+
+def test_many_classes_bench_serves_every_request_on_every_configuration(small_store, classes, tmp_path):
+    from autotune.bench import bench_many_classes
+    from autotune.bench.tenants import tenant_classes
+
+    engine, _ = small_store
+    tenants = tenant_classes(classes, 3)
+    assert list(tenants) == ["rep", "mixed", "rep-t0.7"] and tenants["rep-t0.7"].temperature == 0.7
+    result = bench_many_classes(engine, tenants, tmp_path, per_class=2, policies=("ucb",),
+                                statics=("off", "small:1", "ngram:2", "absent:2"), progress=lambda *_: None)
+    assert result["static_arms"] == ["off", "small:1", "ngram:2"]  # an arm the engine lacks is left out
+    ucb = result["policies"]["ucb"]
+    assert ucb["rewards"] == 6 and ucb["rewards_above_bound"] == 0
+    assert set(result["oracle_arms"]) == set(tenants) and result["oracle_vs_best_static"] >= 1.0
+    assert 0 < ucb["overhead_share"] < 1
+
+
+def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_rewards_against_physics(small_store):
+    from autotune.bench.tenants import summarize
+
+    engine, _ = small_store
+
+    def row(cls, arm, tokens, seconds, reward=1.0, bound=1.0, estimates=None):
+        return {"class": cls, "arm": arm, "tokens": tokens, "engine_s": seconds, "seconds": seconds,
+                "overhead_s": 0.0, "reward": reward, "bound": bound, "estimates": estimates or {},
+                "prompt_tokens": 10}
+
+    # small:1 halves x's time and doubles y's; ngram:2 is 1.25x on both: the static best is ngram:2,
+    # the oracle small:1 on x and ngram:2 on y.
+    log = {"off": [row("x", "off", 10, 1.0), row("y", "off", 10, 1.0)],
+           "small:1": [row("x", "small:1", 10, 0.5), row("y", "small:1", 10, 2.0)],
+           "ngram:2": [row("x", "ngram:2", 10, 0.8), row("y", "ngram:2", 10, 0.8)],
+           # played small:1 on x (reward 2.5 where 2 tokens a round allow 2), ngram:2 on y, told small:1 0.5
+           "ucb": [row("x", "small:1", 10, 0.5, reward=2.5, bound=2.0),
+                   row("y", "ngram:2", 10, 0.8, reward=1.25, bound=2.0, estimates={"small:1": 0.5})]}
+    result = summarize(engine, log, ["ucb"], ["off", "small:1", "ngram:2"], {"x": None, "y": None}, 1)
+    assert result["static_best_arm"] == "ngram:2"
+    assert result["oracle_arms"] == {"x": "small:1", "y": "ngram:2"}
+    assert result["oracle_vs_best_static"] == pytest.approx(1.6 / 1.3, abs=1e-3)
+    ucb = result["policies"]["ucb"]
+    assert ucb["ratio_vs_oracle"] == 1.0 and ucb["rewards_above_bound"] == 1
+    calibration = ucb["reward_calibration"]
+    assert calibration["model, recorded"] == {"told_over_measured": 1.25, "requests": 1}  # 2.5 told, 2.0 measured
+    assert calibration["model, replayed"] == {"told_over_measured": 1.0, "requests": 1}
+    assert calibration["n-gram"] == {"told_over_measured": 1.0, "requests": 1}  # told on y alone

@@ -1,8 +1,8 @@
 """A noisy machine for `autotune bench controller --noise`: other work beside the engine.
 
-`InjectedDelays` slows the models' forward passes in bursts (seeded, so runs repeat): each
-forward starts a burst with probability `burst_rate`, and during a burst of `burst_length`
-forwards each one takes `slowdown` times its time, as when other processes take the cores.
+`InjectedDelays` slows the models' forward passes in bursts of time (seeded): during a
+burst each forward pass takes `slowdown` times its time, as when other processes take the
+cores.
 `CpuHog` is the real thing: processes that keep both cores busy with matrix products
 (torch's threads then run up to 40x slower per step).
 """
@@ -20,32 +20,44 @@ HOG = "import torch\ntorch.set_num_threads(2)\na = torch.randn(384, 384)\nwhile 
 
 
 class InjectedDelays:
-    """Bursts of slow forward passes on every model of an engine (target and model drafters)."""
+    """Bursts of slow forward passes on every model of an engine (target and model drafters).
 
-    def __init__(self, models: list[torch.nn.Module], seed: int = 0, burst_rate: float = 0.005,
-                 burst_length: int = 20, slowdown: float = 8.0) -> None:
+    Bursts come in time, not per forward pass, as other work on a machine does: they start at
+    random moments, `burst_rate` a second on average, each lasts `burst_s` seconds, and every
+    forward pass that ends inside one takes `slowdown` times its time. (Counted per forward
+    pass, a burst of 20 slowed 20 of the target's steps for OFF but mostly cheap drafter steps
+    for a model drafter, and OFF measured at half the speed it has.)
+    """
+
+    def __init__(self, models: list[torch.nn.Module], seed: int = 0, burst_rate: float = 0.5,
+                 burst_s: float = 0.2, slowdown: float = 8.0) -> None:
         self.models = models
         self.rng = random.Random(seed)
         self.burst_rate = burst_rate
-        self.burst_length = burst_length
+        self.burst_s = burst_s
         self.slowdown = slowdown
-        self.left = 0  # forwards left in the current burst
         self.slowed = 0  # forwards slowed so far
         self._handles = []
         self._started = 0.0
+        self._burst = (0.0, 0.0)  # (start, end) of the next or current burst, perf_counter seconds
+
+    def _next_burst(self, after: float) -> None:
+        start = after + self.rng.expovariate(self.burst_rate)
+        self._burst = (start, start + self.burst_s)
 
     def _before(self, module, args) -> None:
         self._started = time.perf_counter()
 
     def _after(self, module, args, output) -> None:
-        if self.left == 0 and self.rng.random() < self.burst_rate:
-            self.left = self.burst_length
-        if self.left:
-            self.left -= 1
+        now = time.perf_counter()
+        while now > self._burst[1]:
+            self._next_burst(self._burst[1])
+        if now >= self._burst[0]:
             self.slowed += 1
-            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - self._started))
+            time.sleep((self.slowdown - 1.0) * (now - self._started))
 
     def __enter__(self) -> InjectedDelays:
+        self._next_burst(time.perf_counter())
         for model in self.models:
             self._handles.append(model.register_forward_pre_hook(self._before))
             self._handles.append(model.register_forward_hook(self._after))

@@ -151,8 +151,9 @@ def _count(items) -> dict[str, int]:
 
 
 def calibration(engine: SpeculativeEngine, log: dict[str, list[dict]], policy: str, statics: list[str]) -> dict:
-    """Per arm kind and prompt length (the shorter and longer half of the prompts): the mean
-    reward `policy` recorded (playing the arm) or was told (replaying it) for each static arm,
+    """Per arm kind, and per kind by prompt length (the shorter and longer half of the prompts)
+    and by source (recorded playing the arm, or replayed): the mean reward `policy` learned for
+    each static arm,
     over that arm's mean speedup measured on the same requests (its engine seconds against
     OFF's, tokens per second); 1.0 is true to scale. With the number of requests behind it."""
     lengths = sorted(r["prompt_tokens"] for r in log["off"])
@@ -163,13 +164,15 @@ def calibration(engine: SpeculativeEngine, log: dict[str, list[dict]], policy: s
         for arm in statics:
             if arm == "off":
                 continue
-            told = row["reward"] if row["arm"] == arm else row["estimates"].get(arm)
+            played = row["arm"] == arm
+            told = row["reward"] if played else row["estimates"].get(arm)
             measured = log[arm][i]
             if told is None or not measured["engine_s"] or not off["tokens"]:
                 continue
             speedup = (measured["tokens"] / measured["engine_s"]) / (off["tokens"] / off["engine_s"])
+            kind = arm_kind(engine, arm)
             length = "short prompts" if row["prompt_tokens"] < middle else "long prompts"
-            for key in (arm_kind(engine, arm), f"{arm_kind(engine, arm)}, {length}"):
+            for key in (kind, f"{kind}, {length}", f"{kind}, {'recorded' if played else 'replayed'}"):
                 cell = cells[key]
                 cell[0] += told
                 cell[1] += speedup
