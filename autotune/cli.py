@@ -274,9 +274,10 @@ def cmd_bench(args) -> None:
         from autotune.bench.tenants import tenant_classes
 
         classes = tenant_classes(_classes(args), 6 if args.quick else args.many_classes)
+        chosen = json.loads(Path(args.arms_from).read_text()) if args.arms_from else None
         with _noise(args.noise, engine):
             result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class,
-                                              policies=args.policies.split(","))
+                                              policies=args.policies.split(","), chosen=chosen)
         result["noise"] = args.noise
         print(json.dumps(result, indent=2))
     else:
@@ -454,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-class", type=at_least(1), default=8, help="bench controller --many-classes: requests per"
                                                                     " class")
     p.add_argument("--policies", default="ucb,contextual", help="bench controller --many-classes: policies compared")
+    p.add_argument("--arms-from", metavar="JSON", help="bench controller --many-classes: the static best and oracle"
+                                                       " arms of an earlier run's JSON, instead of hindsight picks")
     p.add_argument("--noise", choices=["delays", "hog"],
                    help="bench controller: a noisy machine, bursts of slowed forward passes (delays) or two"
                         " processes keeping the cores busy (hog)")

@@ -409,3 +409,8 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
     assert calibration["model, recorded"] == {"told_over_measured": 1.25, "requests": 1}  # 2.5 told, 2.0 measured
     assert calibration["model, replayed"] == {"told_over_measured": 1.0, "requests": 1}
     assert calibration["n-gram"] == {"told_over_measured": 1.0, "requests": 1}  # told on y alone
+    # Arms chosen by another run (a quiet one, for a noisy run) are measured, not picked again
+    other = summarize(engine, log, ["ucb"], ["off", "small:1", "ngram:2"], {"x": None, "y": None}, 1,
+                      chosen={"static_best_arm": "small:1", "oracle_arms": {"x": "ngram:2", "y": "ngram:2"}})
+    assert other["arms_chosen"] == "by another run"
+    assert other["oracle_vs_best_static"] == pytest.approx(2.5 / 1.6, abs=1e-3)
