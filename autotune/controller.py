@@ -56,7 +56,8 @@ from policies import LOAD_BUCKETS, Context, Outcome, Policy, PolicyError, load_b
 logger = logging.getLogger(__name__)
 SERVED_POLICY = "__served__"  # per key: requests served (how many replays it has had while learning)
 COSTS_POLICY = "__costs__"  # per load bucket, greedy or sampled: the measured draft and verify costs (CostModel)
-INTERNAL_POLICIES = (SERVED_POLICY, COSTS_POLICY)  # the controller's own state, not a policy's
+# The controller's own state, not a policy's; "__off_baseline__" is in stores saved by earlier versions.
+INTERNAL_POLICIES = (SERVED_POLICY, COSTS_POLICY, "__off_baseline__")
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_CLASS = "default"
 CALIBRATION_PROMPT = 256  # tokens of the prompt `_calibrate` serves each arm kind on, at most

@@ -156,6 +156,12 @@ def test_the_off_step_is_inferred_from_the_requests_own_verifies():
     mixed = GenerationMetrics(rounds=30, verify_s=0.17, verify_by_width={1: [0.05, 10], 3: [0.12, 20]})
     assert costs.off_step_during(mixed) == pytest.approx(0.17 / (10 + 20 * 1.2))  # an n-gram arm's rounds
     assert CostModel.from_state(json.loads(json.dumps(costs.state_dict()))).state_dict() == costs.state_dict()
+    # A store saved when costs were discounted sums: each cost starts from its mean
+    legacy = CostModel.from_state({"discount": 0.98, "draft": {"small": {"2": [0.05, 20.0, 40.0]}},
+                                   "verify": {"1": [0.25, 50.0], "3": [0.12, 20.0]},
+                                   "prefill": {"small": [0.1, 1000.0]}, "off_decode": [1.2, 1.0]})
+    assert legacy.off_step() == pytest.approx(0.005) and legacy.draft_cost("small", 2) == pytest.approx(0.0025)
+    assert legacy.draft_prefill_cost("small", 500) == pytest.approx(0.05) and legacy.off_decode_factor() == 1.2
 
 
 def test_each_arm_pays_its_own_drafters_prefill(engine):
