@@ -326,8 +326,9 @@ class AutotuneController:
                             if hybrid_parts(self.engine, drafter) is None]
         # A process's first forwards run slower (allocations, lazy loads), and a slow OFF step would
         # price every verify low and every reward high: each arm runs a few steps unrecorded first.
-        for i, arm in enumerate([*arms, *arms]):
-            recorded = i >= len(arms)
+        warm_up = list(dict.fromkeys(arms))
+        for i, arm in enumerate([*warm_up, *arms]):
+            recorded = i >= len(warm_up)
             try:
                 with self._engine_lock:
                     metrics = self.engine.generate(prompt, arm, CALIBRATION_TOKENS if recorded else 4, sampling).metrics
@@ -518,11 +519,12 @@ class AutotuneController:
             costs = self.costs.setdefault(key, CostModel())
             # Draft costs per K only from a request that kept its K and its drafter throughout.
             costs.observe(arm, served, drafts=schedule is None and not any(r.fell_back for r in results))
+            # under the lock: other threads' requests add to these costs
+            reward = self._reward(arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
         if results[0].rest is not None:
             # The part served alone teaches the policy nothing: its drafter's prefill spread over
             # part of the output would score model drafters low. The batch's segments are learned.
             return self._serve_continuous(batch, (results[0].rest, engine_started))
-        reward = self._reward(arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
         learn_started = time.perf_counter()
         siblings = self._other_arms(context, arm, reward, schedule, results, served, ids, limits, sampling, costs)
         with self._policy_lock:
@@ -813,8 +815,8 @@ class AutotuneController:
 
         The OFF step is the one `costs` (this load's) infers from the request's own verifies, so
         a moment when the machine runs slow slows both sides alike, and since no verify is priced
-        below a step, the reward never exceeds the tokens the request committed per round
-        (`reward_bound`). An OFF request scores about 1.0; 1.0 before any OFF step ran at this
+        below a step (`CostModel.relative_verify_cost`), the reward never exceeds the tokens the
+        request committed per round. An OFF request scores about 1.0; 1.0 before any OFF step ran at this
         load. A batch's OFF steps are its longest output's (`off_steps`), each step decoding
         every row. The drafter's prefill is the arm's cost, not OFF's.
         """

@@ -55,7 +55,7 @@ def _median(observations: list[list[float]]) -> float:
 
 class CostModel:
     """Measured costs at one load bucket: seconds of a draft round per drafter and K, of a verify
-    round per width, of a drafter's prefill per prompt token.
+    round per width and drafter, of a drafter's prefill by prompt tokens.
 
     Each cost is the median over the last `window` requests that measured it, one observation a
     request, not a running mean: on a shared machine one request can run 40x slower than the
@@ -73,7 +73,7 @@ class CostModel:
 
     def __init__(self, window: int = WINDOW) -> None:
         self.window = window
-        # drafter -> K -> [[s per round, steps per round, rounds]], a request each
+        # drafter -> K -> [[s per round, rounds, steps per round]], a request each
         self.draft: dict[str, dict[int, list[list[float]]]] = {}
         # who drafted (OFF_ROUNDS: no one) -> tokens per verify -> [[s per round, rounds]], a request each
         self.verify: dict[str, dict[int, list[list[float]]]] = {}
@@ -228,11 +228,13 @@ class CostModel:
         than one query), 26 % of a step on the demo family against ~5 % per extra token, so a line
         through it would price large K at twice their cost until they had been played.
         """
+        own = self.verify.get(drafter if drafter is not None else OFF_ROUNDS, {})
+        if own.get(tokens):  # the common case, on every request's path: no other width needed
+            return _median(own[tokens])
         pooled: dict[int, list] = {}
         for table in self.verify.values():
             for width, obs in table.items():
                 pooled.setdefault(width, []).extend(obs)
-        own = self.verify.get(drafter if drafter is not None else OFF_ROUNDS, {})
         points = {t: _median(own.get(t) or obs) for t, obs in pooled.items() if obs}
         if tokens in points:
             return points[tokens]
