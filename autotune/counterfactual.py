@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine import Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.drafters import capabilities, lookup_of, model_drafter_of
 from engine.sampling import adjust_logits, probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
@@ -357,28 +358,38 @@ def batch_rounds(per_row: list[list[int]]) -> list[int]:
 def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: torch.Tensor | None,
                    sampling: SamplingParams | None, memo: dict | None = None
                    ) -> tuple[list[list[float]], list[int] | None, list[bool] | None]:
-    """(chains, tokens proposed, drafted by lookup) from every position for a model, n-gram or
-    hybrid drafter (proposed None: always k; by lookup None: not a hybrid). A hybrid drafts by
-    lookup wherever lookup proposes, else by its model. `memo`: see `model_chains`."""
-    if isinstance(drafter, NGramDrafter):
-        return (*ngram_chains(drafter, sequence, start, k, target), None)
-    if isinstance(drafter, HybridDrafter):
-        looked_up, proposed = ngram_chains(drafter.lookup, sequence, start, k, target)
-        modelled = model_chains(drafter.model_drafter, sequence, start, k, target, sampling, memo)
-        return ([a if n else b for a, n, b in zip(looked_up, proposed, modelled)],
-                [n or k for n in proposed], [n > 0 for n in proposed])
-    return model_chains(drafter, sequence, start, k, target, sampling, memo), None, None
+    """(chains, tokens proposed, drafted by lookup) from every position for a drafter made of a
+    lookup, a model drafter, or both (proposed None: always k; by lookup None: no model behind
+    its lookup). A drafter with both drafts by lookup wherever lookup proposes, else by its model.
+    `memo`: see `model_chains`."""
+    lookup, model = lookup_of(drafter), model_drafter_of(drafter)
+    if model is None:
+        return (*ngram_chains(lookup, sequence, start, k, target), None)
+    if lookup is None:
+        return model_chains(model, sequence, start, k, target, sampling, memo), None, None
+    looked_up, proposed = ngram_chains(lookup, sequence, start, k, target)
+    modelled = model_chains(model, sequence, start, k, target, sampling, memo)
+    return ([a if n else b for a, n, b in zip(looked_up, proposed, modelled)],
+            [n or k for n in proposed], [n > 0 for n in proposed])
+
+
+def replayable(drafter) -> bool:
+    """The replay can estimate `drafter`: it declares so, and is made of a lookup or a model drafter."""
+    return capabilities(drafter).replay and (lookup_of(drafter) or model_drafter_of(drafter)) is not None
 
 
 def hybrid_parts(engine: SpeculativeEngine, name: str) -> tuple[str | None, str] | None:
-    """The engine's drafters that run what hybrid drafter `name` runs: (an n-gram drafter or None,
-    the model drafter of the same model); None if `name` is no hybrid or no drafter runs its model."""
-    hybrid = engine.drafters.get(name)
-    if not isinstance(hybrid, HybridDrafter):
+    """The engine's drafters that run what drafter `name` runs when it chains a model after a lookup:
+    (an n-gram drafter or None, the model drafter of the same model); None if `name` does not chain
+    or no drafter runs its model."""
+    drafter = engine.drafters.get(name)
+    if lookup_of(drafter) is None or model_drafter_of(drafter) is None:
         return None
+    own = model_drafter_of(drafter).model
     model = next((n for n, d in engine.drafters.items()
-                  if isinstance(d, ModelDrafter) and d.model is hybrid.model_drafter.model), None)
-    lookup = next((n for n, d in engine.drafters.items() if isinstance(d, NGramDrafter)), None)
+                  if lookup_of(d) is None and (m := model_drafter_of(d)) is not None and m.model is own), None)
+    lookup = next((n for n, d in engine.drafters.items() if lookup_of(d) is not None and model_drafter_of(d) is None),
+                  None)
     return None if model is None else (lookup, model)
 
 
@@ -426,7 +437,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     known = [a for a in arms if priced(a)]  # others never served
     longest = {}  # drafter -> its largest K: shorter K replay the same chains
     for arm in known:
-        if not arm.is_off and isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter, HybridDrafter)):
+        if not arm.is_off and replayable(engine.drafters.get(arm.drafter)):
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
     prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)

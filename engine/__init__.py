@@ -1,16 +1,17 @@
 """Lossless speculative decoding over Hugging Face causal LMs."""
 
 from engine.arms import MAX_K, MIN_K, OFF, Arm
-from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter
-from engine.engine import BatchRequest, BatchResult, GenerationMetrics, GenerationResult, SpeculativeEngine
+from engine.drafters import Capabilities, Drafter, HybridDrafter, ModelDrafter, NGramDrafter
+from engine.engine import BatchSession, SpeculativeEngine
 from engine.errors import EngineError, IncompatibleDrafterError, InvalidRequestError
+from engine.results import BatchRequest, BatchResult, GenerationMetrics, GenerationResult
 from engine.sampling import SamplingParams
 from engine.schedule import ConstantK, HeuristicK, KSchedule
 from engine.streaming import Streamer
 
 __all__ = [
-    "Arm", "OFF", "BatchRequest", "BatchResult", "MIN_K", "MAX_K", "Drafter", "HybridDrafter", "ModelDrafter",
-    "NGramDrafter",
+    "Arm", "OFF", "BatchRequest", "BatchResult", "BatchSession", "MIN_K", "MAX_K", "Capabilities", "Drafter",
+    "HybridDrafter", "ModelDrafter", "NGramDrafter",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",
     "HeuristicK", "KSchedule", "Streamer",

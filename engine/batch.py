@@ -19,33 +19,27 @@ continuous batching, as vLLM and SGLang schedule every step; with a `prefill_chu
 a joiner's prefill runs each round while the rows decode: chunked prefill), and so can a
 request paused on the one-request path (`SpeculativeEngine.generate`'s `pause`): its target
 cache is handed over, and it goes on drawing where it stopped. Eager only
-(kvcache.GrowingCache); model, n-gram and hybrid drafters (the engine refuses others): in a
-hybrid round, rows whose context repeats take lookup drafts and the others share the model's
-batched steps.
+(kvcache.GrowingCache), with drafters that declare `Capabilities(batch=True)` (the engine
+refuses others): a drafter's `lookup` drafts row by row, and the rows it leaves empty share its
+`model_drafter`'s batched steps. A round itself is engine/round.py's, as for one request.
 """
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from engine.drafters import HybridDrafter, ModelDrafter, model_drafter_of
+from engine.drafters import ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
-from engine.sampling import SamplingParams, adjust_logits, commit, probabilities, sample, token_logprobs
-
-if TYPE_CHECKING:
-    from engine.engine import GenerationResult
-from engine.stopping import Stopping
-from engine.streaming import Streamer, put_prompt, put_tokens
+from engine.round import Drafts, Row, decode_round, stream
+from engine.sampling import adjust_logits, probabilities, sample, token_logprobs
 
 
 class BatchCache:
@@ -400,32 +394,6 @@ def _positions(live: torch.Tensor, start: list[int]) -> torch.Tensor:
     return before + torch.tensor(start, device=live.device)[:, None]
 
 
-@dataclass
-class Row:
-    """One request's state in the batch."""
-
-    tokens: list[int]  # prompt + committed output
-    prompt_len: int
-    max_new_tokens: int
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    stopping: Stopping  # the model's EOS, the request's stop_token_ids and stop strings
-    streamer: Streamer | None = None
-    stream_error: str | None = None  # its streamer raised: the row leaves the batch
-    resumes: GenerationResult | None = None  # a paused request's output so far: its streamer has the prompt
-    cached: list | None = None  # a paused request's keys and values of all but its last token: no prefill
-    seen: int = 0  # tokens the drafter's cache holds for this row
-    logprobs: list[dict[int, float]] | None = None  # per output token since it joined, if asked for
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # if asked for (a paused request's: its own)
-    done: bool = False
-    stopped: bool = False  # done at an end of its own (EOS, stop token or string, criterion), not its length
-    joined_s: float = 0.0  # engine seconds into the batch's run when the row joined it
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new_tokens - (len(self.tokens) - self.prompt_len)
-
-
 class BatchDrafter:
     """A model drafter run for the whole batch: K one-token steps (the first may catch up 2)."""
 
@@ -507,9 +475,8 @@ class BatchRun:
         self.prefill_chunk = prefill_chunk
         self.prefixes = prefixes  # the target's kept prompts (engine/prefix.py)
         self.rows: dict[int, Row] = {}  # by index, in the order added (BatchSession may forget finished ones)
-        self.metrics: dict = {}  # one GenerationMetrics per row
         self.added = 0  # rows added so far: the next one's index
-        self.live: list[int] = []  # indexes into rows/metrics, in the caches' row order
+        self.live: list[int] = []  # indexes into rows, in the caches' row order
         self.joins: list[_Join] = []  # admitted, prefilling a chunk per round (oldest first)
         self.finished: list[int] = []  # rows done since the caller last took them
         self.failed: list[tuple[int, Exception]] = []  # rows whose prefill failed, since the caller last took them
@@ -525,7 +492,6 @@ class BatchRun:
 
     def _set_arm(self, drafter, k: int) -> None:
         self.drafter, self.k = drafter, k
-        self.lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
 
     def switch(self, drafter, k: int) -> None:
         """Decode on (drafter, k) from the next round on."""
@@ -535,7 +501,7 @@ class BatchRun:
             try:
                 self.batch_drafter = BatchDrafter(model, [self.rows[i] for i in self.live])
             except Exception as exc:  # speculation must never lose a request
-                self._fall_back(exc)
+                self.fall_back(f"{type(exc).__name__}: {exc}")
                 return
             spent = self.clock() - began
             self.batch.prefill_s += spent  # a prefill, the drafter's only, as a join's counts it
@@ -549,7 +515,7 @@ class BatchRun:
         """Engine seconds since the run began (the streamers' time left out)."""
         return self.clock() - self.started - self.batch.stream_s
 
-    def admit(self, rows: list[Row], metrics: list) -> None:
+    def admit(self, rows: list[Row]) -> None:
         """Add `rows` to the batch: prefilled now, or, with `prefill_chunk` while rows decode,
         within each round's budget from the next round on (a waiting join nothing has been fed
         for yet takes them in). Their indexes are the next ones either way."""
@@ -563,23 +529,22 @@ class BatchRun:
             done = finish(self._prefill(rows, None))
             spent = self.clock() - began
             self.batch.prefill_s += spent
-            self._join(self._register(rows, metrics), done, spent)
+            self._join(self._register(rows), done, spent)
             return
         waiting = self.joins[-1] if self.joins and not self.joins[-1].forwards else None
         steps = self._prefill([*(self.rows[i] for i in waiting.indexes), *rows] if waiting else rows,
                               self.prefill_chunk)
         size = next(steps)  # set up, to just before its first forward (a fresh row has one)
-        indexes = (waiting.indexes if waiting else []) + self._register(rows, metrics)
+        indexes = (waiting.indexes if waiting else []) + self._register(rows)
         if waiting:
             waiting.indexes, waiting.steps, waiting.size = indexes, steps, size
         else:
             self.joins.append(_Join(indexes, steps, size))
 
-    def _register(self, rows: list[Row], metrics: list) -> list[int]:
+    def _register(self, rows: list[Row]) -> list[int]:
         """Give `rows` the next indexes; those indexes."""
         indexes = list(range(self.added, self.added + len(rows)))
         self.rows.update(zip(indexes, rows))
-        self.metrics.update(zip(indexes, metrics))
         self.added += len(rows)
         return indexes
 
@@ -646,8 +611,7 @@ class BatchRun:
             if r.resumes is None:
                 if r.sampling.prompt_logprobs is not None:
                     r.prompt_logprobs = scored[b]
-                first, r.logprobs = commit(logits[b], r.tokens, [], None, r.sampling, r.stopping, r.generator)
-                r.tokens += first
+                r.start(logits[b])
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
@@ -656,15 +620,16 @@ class BatchRun:
             try:
                 drafter_cache = BatchDrafter(model, rows)
             except Exception as exc:  # speculation must never lose a request
-                self._fall_back(exc)
+                self.fall_back(f"{type(exc).__name__}: {exc}")
             draft_prefill = self.clock() - began
         self.batch.prefill_s += draft_prefill
         self.batch.draft_prefill_s += draft_prefill
-        for r, i, n in zip(rows, indexes, reused):
-            r.stopped = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None
-            r.done = r.stopped or r.remaining <= 0
-            self.metrics[i].prefill_s, self.metrics[i].draft_prefill_s = target_s + draft_prefill, draft_prefill
-            self.metrics[i].cached_prompt_tokens = n
+        for r, n in zip(rows, reused):
+            if r.resumes is not None:
+                r.stopped = r.stopping.end(r.tokens, len(r.tokens) - 1) is not None
+                r.done = r.stopped or r.remaining <= 0
+            r.metrics.prefill_s, r.metrics.draft_prefill_s = target_s + draft_prefill, draft_prefill
+            r.metrics.cached_prompt_tokens = n
         if self.live:
             self.target_cache.extend(cache)
             if self.batch_drafter is not None:
@@ -673,13 +638,8 @@ class BatchRun:
             self.target_cache = cache
             self.batch_drafter = drafter_cache
         self.live += indexes
-        _stream(rows, [r.prompt_len for r in rows], self.batch, prompt=True)
+        stream(rows, [r.prompt_len for r in rows], self.batch, prompt=True)
         self._drop_finished()
-
-    def _fall_back(self, exc: Exception) -> None:
-        """The drafter failed: the rest of the run is OFF, and every request is still served."""
-        self.drafter, self.batch_drafter, self.lookup, self.fell_back = None, None, None, True
-        self.error = f"{type(exc).__name__}: {exc}"
 
     def step(self) -> None:
         """One round for every live row: draft, verify, commit (after a chunk of a waiting join's
@@ -690,90 +650,55 @@ class BatchRun:
         self.target_cache.compact_if_sparse()
         if self.batch_drafter is not None:
             self.batch_drafter.cache.compact_if_sparse()
-        now = self.clock()
         active = [self.rows[i] for i in self.live]
-        ks = [max(0, min(self.k, r.remaining - 1)) if self.drafter is not None else 0 for r in active]
-        drafts, qs = [[] for _ in active], [None] * len(active)
-        steps = 0  # batched drafter steps this round
-        from_model = [False] * len(active)
-        if self.drafter is not None and max(ks) > 0:
-            try:
-                if self.batch_drafter is not None:
-                    if self.lookup is not None:
-                        drafts = [self.lookup.propose(r.tokens, kb, r.sampling, r.generator)[0]
-                                  for r, kb in zip(active, ks)]
-                    from_model = [kb > 0 and not d for d, kb in zip(drafts, ks)]
-                    model_ks = [kb if m else 0 for kb, m in zip(ks, from_model)]
-                    if max(model_ks) > 0:
-                        model_drafts, model_qs = self.batch_drafter.propose(active, model_ks)
-                        steps = max(model_ks)
-                        for b in range(len(active)):
-                            if from_model[b]:
-                                drafts[b], qs[b] = model_drafts[b], model_qs[b]
-                else:
-                    drafts = [self.drafter.propose(r.tokens, kb, r.sampling, r.generator)[0]
-                              for r, kb in zip(active, ks)]
-            except Exception as exc:
-                self._fall_back(exc)
-                steps, drafts, qs = 0, [[] for _ in active], [None] * len(active)
-        before_verify = self.clock()
-        self.batch.draft_s += before_verify - now
-        for i in self.live:
-            self.metrics[i].draft_s += before_verify - now
-        first_slot = self.target_cache.slots
-        try:
-            ids, logits = self._verify(active, drafts)
-        except Exception as exc:
-            if not any(drafts):
-                raise
-            # The target could not take a step this wide (a model bug, memory): OFF from here, from
-            # the cache as it was before the step (each layer cut back to it), as alone.
-            crop_layers(self.target_cache.cache, first_slot)
-            self._fall_back(exc)
-            self.error = f"verify: {self.error}"
-            steps, drafts, qs = 0, [[] for _ in active], [None] * len(active)
-            ids, logits = self._verify(active, drafts)
-        prevs = [len(r.tokens) for r in active]
-        for b, (i, r, d) in enumerate(zip(self.live, active, drafts)):
-            kept, kept_logprobs = commit(logits[b, : len(d) + 1], r.tokens, d, qs[b], r.sampling, r.stopping,
-                                         r.generator)
-            n = len(kept) - 1
-            self.target_cache.forget(b, first_slot + 1 + n)
-            if steps:  # a lookup row kept none of the model's drafts, only its catch-up
-                self.batch_drafter.rollback(b, r, n if from_model[b] else 0, steps)
-            prev = len(r.tokens)
-            r.tokens += kept
-            if kept_logprobs is not None:
-                r.logprobs += kept_logprobs
-            if (end := r.stopping.end(r.tokens, prev)) is not None:
-                del r.tokens[end + 1:]
-                r.done = r.stopped = True
-            r.done = r.done or r.remaining <= 0
-            m = self.metrics[i]
-            m.rounds += 1
-            m.drafted += len(d)
-            m.accepted += n
-            for j in range(len(d)):
-                m.drafted_per_position[j] += 1
-                m.accepted_per_position[j] += j < n
-        spent = self.clock() - before_verify
-        self.committed += sum(len(r.tokens) - prev for r, prev in zip(active, prevs))
+        starts = [len(r.tokens) for r in active]
+        report = decode_round(self, active, self.k, self.clock, self.batch)
+        self.committed += sum(report.committed)
         self.row_rounds += len(active)
-        self.batch.rounds += 1
-        round_steps = max(steps, *map(len, drafts))  # as far as the longest row drafted
-        self.batch.draft_steps += round_steps
-        self.batch.draft_rounds += round_steps > 0
-        self.batch.add_verify(ids.shape[1], spent)
-        for i in self.live:
-            self.metrics[i].add_verify(ids.shape[1], spent)
-        _stream(active, prevs, self.batch)
+        stream(active, starts, self.batch)
         self._drop_finished()
 
-    def _verify(self, active: list[Row], drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    # How a batch's round feeds the models (engine.round.Feed).
+
+    @property
+    def drafting(self) -> bool:
+        return self.drafter is not None
+
+    def draft(self, rows: list[Row], ks: list[int]) -> Drafts:
+        """Lookup drafts row by row where the drafter has a lookup, the model's drafts in batched
+        steps for the rows lookup left empty."""
+        lookup = getattr(self.drafter, "lookup", None)
+        drafts = Drafts.none(len(rows))
+        if lookup is not None:
+            drafts.tokens = [lookup.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(rows, ks)]
+        self.from_model = [kb > 0 and not d and self.batch_drafter is not None for d, kb in zip(drafts.tokens, ks)]
+        model_ks = [kb if m else 0 for kb, m in zip(ks, self.from_model)]
+        if max(model_ks) > 0:
+            tokens, dists = self.batch_drafter.propose(rows, model_ks)
+            drafts.steps = max(model_ks)
+            for b in range(len(rows)):
+                if self.from_model[b]:
+                    drafts.tokens[b], drafts.dists[b] = tokens[b], dists[b]
+        return drafts
+
+    def verify(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
         """The target's forward over each row's last token and its drafts, left-aligned."""
-        ids, live = _block([[r.tokens[-1], *d] for r, d in zip(active, drafts)], self.target.device, right=False)
-        positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in active])
-        return ids, self.target_cache.forward(ids, positions, live)
+        ids, live = _block([[r.tokens[-1], *d] for r, d in zip(rows, drafts)], self.target.device, right=False)
+        positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in rows])
+        self.first_slot = self.target_cache.slots
+        return self.target_cache.forward(ids, positions, live)
+
+    def undo_verify(self, rows: list[Row]) -> None:
+        crop_layers(self.target_cache.cache, self.first_slot)
+
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts) -> None:
+        self.target_cache.forget(b, self.first_slot + 1 + kept)
+        if drafts.steps:  # a lookup row kept none of the model's drafts, only its catch-up
+            self.batch_drafter.rollback(b, row, kept if self.from_model[b] else 0, drafts.steps)
+
+    def fall_back(self, error: str) -> None:
+        """The drafter failed: the rest of the run is OFF, and every request is still served."""
+        self.drafter, self.batch_drafter, self.fell_back, self.error = None, None, True, error
 
     def _drop_finished(self) -> None:
         """Finished rows leave the batch (and wait in `finished` for the caller)."""
@@ -796,7 +721,7 @@ class BatchRun:
             if self.batch_drafter is not None:
                 self.batch_drafter.cache.select(order)
         for i in finished:
-            self.metrics[i].total_s = elapsed - self.rows[i].joined_s
+            self.rows[i].metrics.total_s = elapsed - self.rows[i].joined_s
         self.finished += finished
 
 
@@ -810,20 +735,3 @@ class BatchRun:
         if drafter is not None and drafter.prefixes is not None:
             seen = min(row.seen, n)
             drafter.prefixes.insert(row.tokens[:seen], lambda: drafter.cache.row(b, seen))
-
-
-def _stream(rows: list[Row], starts: list[int], batch, prompt: bool = False) -> float:
-    """Hand each row's tokens from `starts` on (after its prompt, with `prompt`) to its streamer;
-    the seconds that took, which are the callers' and stay out of the batch's times. A row whose
-    streamer raises is done."""
-    began = time.perf_counter()
-    for r, start in zip(rows, starts):
-        if r.streamer is not None:
-            first = put_prompt(r.streamer, r.tokens[:start]) if prompt and r.resumes is None else None
-            entries = None if r.logprobs is None else r.logprobs[start - r.prompt_len:len(r.tokens) - r.prompt_len]
-            r.stream_error = first or put_tokens(r.streamer, r.tokens[start:], entries)
-            r.done = r.done or r.stream_error is not None
-    spent = time.perf_counter() - began
-    batch.stream_s += spent
-    return spent
-

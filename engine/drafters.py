@@ -4,11 +4,18 @@ The interface is two calls, in the spirit of transformers' candidate generators:
 `propose` returns draft tokens (and their distribution, if the drafter has one), and
 `rollback` tells the drafter how much of what it has seen the target actually kept, so a
 drafter with a KV cache trims it instead of recomputing the prefix. New drafter kinds
-(early-exit self-drafting, Medusa heads, ...) implement the same protocol.
+(early-exit self-drafting, Medusa heads, ...) implement the same protocol, in one class.
+
+Beyond the protocol a drafter declares what else the engine may do with it (`Capabilities`),
+and what it is made of: `model_drafter`, the small model whose cache the engine sizes,
+compiles, batches and keeps prompts for, and `lookup`, the prompt lookup it tries first each
+round. Batching and the controller's counterfactual replay read those declarations; neither
+asks a drafter its type.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,6 +23,32 @@ from transformers import PreTrainedModel
 
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, adjust_logits, probabilities, sample
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a drafter can do besides the protocol's calls."""
+
+    batch: bool = False  # drafts for a batch's rows: its `lookup` row by row, its `model_drafter` in batched steps
+    replay: bool = False  # the controller can replay it on a served request's tokens (autotune/counterfactual.py)
+
+
+NOTHING_MORE = Capabilities()
+
+
+def capabilities(drafter) -> Capabilities:
+    """What `drafter` declares it can do (nothing beyond the protocol if it declares nothing)."""
+    return getattr(drafter, "capabilities", NOTHING_MORE)
+
+
+def model_drafter_of(drafter) -> ModelDrafter | None:
+    """The model drafter that runs inside `drafter` (itself, a hybrid's), or None (lookup, OFF)."""
+    return getattr(drafter, "model_drafter", None)
+
+
+def lookup_of(drafter) -> NGramDrafter | None:
+    """The prompt lookup `drafter` tries first each round (itself for an n-gram drafter), or None."""
+    return getattr(drafter, "lookup", None)
 
 
 class Drafter(Protocol):
@@ -43,11 +76,18 @@ class Drafter(Protocol):
 class ModelDrafter:
     """A small causal LM sharing the target's vocabulary, with its own persistent KV cache."""
 
+    capabilities = Capabilities(batch=True, replay=True)
+    lookup = None
+
     def __init__(self, model: PreTrainedModel, tokenizer=None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model)  # the engine replaces it to match its own cache kind
         self._seen = 0  # positions held in the cache
+
+    @property
+    def model_drafter(self) -> ModelDrafter:
+        return self
 
     @property
     def vocab_size(self) -> int:
@@ -106,6 +146,9 @@ class NGramDrafter:
     output copies from the prompt (edits, summaries quoting the source, code refactors).
     """
 
+    capabilities = Capabilities(batch=True, replay=True)
+    model_drafter = None
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -113,6 +156,10 @@ class NGramDrafter:
         self.min_ngram = min_ngram
         self.vocab_size = None  # any vocabulary: it only copies tokens it has seen
         self.max_length = None
+
+    @property
+    def lookup(self) -> NGramDrafter:
+        return self
 
     def begin(self, prompt: torch.Tensor, max_length: int) -> None:
         pass
@@ -144,6 +191,8 @@ class HybridDrafter:
     as usual (a lookup draft is a point mass under rejection sampling).
     """
 
+    capabilities = Capabilities(batch=True, replay=True)
+
     def __init__(self, model: PreTrainedModel | ModelDrafter, max_ngram: int = 3, min_match: int = 2) -> None:
         self.model_drafter = model if isinstance(model, ModelDrafter) else ModelDrafter(model)
         self.lookup = NGramDrafter(max_ngram, min_match)
@@ -171,10 +220,3 @@ class HybridDrafter:
 
     def rollback(self, valid_length: int) -> None:
         self.model_drafter.rollback(valid_length)  # after a lookup round the model is behind: nothing to forget
-
-
-def model_drafter_of(drafter) -> ModelDrafter | None:
-    """The model drafter that runs inside `drafter` (itself, a hybrid's), or None (lookup)."""
-    if isinstance(drafter, HybridDrafter):
-        return drafter.model_drafter
-    return drafter if isinstance(drafter, ModelDrafter) else None

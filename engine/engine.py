@@ -1,9 +1,11 @@
-"""The speculative decoding engine: one target, any number of named drafters, one loop.
+"""The speculative decoding engine: one target, any number of named drafters.
 
-Invariant of the loop: `tokens` holds prompt + committed output, and the target's KV cache
-holds every position except the last token. A round feeds [last, d1..dK] to the target in
-one forward pass, keeps the longest accepted prefix plus one target token, and crops the
-cache back to len(tokens) - 1. OFF is the same round with K = 0.
+`SpeculativeEngine.generate` decodes one request: a prefill, then rounds of engine/round.py's
+`decode_round` until the request ends. Invariant between rounds: the request's tokens hold
+prompt + committed output, and the target's KV cache holds every position except the last
+token; a round feeds [last, d1..dK] in one forward pass and crops the cache back to what was
+committed. OFF is the same round with K = 0. `generate_batch` and `open_batch` decode many
+requests together with the same rounds (engine/batch.py).
 """
 
 from __future__ import annotations
@@ -12,174 +14,72 @@ import copy
 import numbers
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.arms import MAX_K, OFF, Arm
-from engine.batch import BatchRun, Row, check_batchable
-from engine.drafters import Drafter, HybridDrafter, ModelDrafter, NGramDrafter, model_drafter_of
+from engine.batch import BatchRun, check_batchable
+from engine.drafters import Drafter, ModelDrafter, capabilities, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.prefix import PrefixCache
+from engine.results import BatchRequest, BatchResult, GenerationMetrics, GenerationResult
+from engine.round import Drafts, Row, decode_round, stream
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, commit, probabilities, prompt_logprobs, sample
+from engine.sampling import SamplingParams, probabilities, prompt_logprobs, sample
 from engine.schedule import ConstantK, KSchedule
 from engine.stopping import Stopping, finish_reason
-from engine.streaming import Streamer, end_stream, put_prompt, put_tokens
-
-
-@dataclass
-class GenerationMetrics:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # of them, taken from earlier prompts' keys and values (engine/prefix.py)
-    new_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    draft_steps: int = 0  # drafter calls; a batch drafts one token per row per step
-    draft_rounds: int = 0  # rounds that drafted: the first draft step of a round costs more (cold caches)
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    draft_prefill_s: float = 0.0  # the drafter's part of prefill_s (its cache over the prompt); OFF has none
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    verify_by_width: dict[int, list[float]] = field(default_factory=dict)  # tokens per row -> [seconds, rounds]
-    total_s: float = 0.0
-    stream_s: float = 0.0  # in the caller's streamer: left out of every time above, which are the engine's
-
-    def add_verify(self, width: int, seconds: float) -> None:
-        """A verify round of `width` tokens per row took `seconds`."""
-        self.verify_s += seconds
-        row = self.verify_by_width.setdefault(width, [0.0, 0])
-        row[0] += seconds
-        row[1] += 1
-
-    def minus(self, earlier: GenerationMetrics) -> GenerationMetrics:
-        """What happened between `earlier` (a snapshot of the same counters) and now."""
-        out = GenerationMetrics()
-        for name, value in vars(self).items():
-            before = getattr(earlier, name)
-            if isinstance(value, dict):
-                value = {k: [a - b for a, b in zip(v, before.get(k, [0] * len(v)))] for k, v in value.items()}
-                value = {k: v for k, v in value.items() if v[-1]}
-            elif isinstance(value, list):
-                value = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(value)]
-            else:
-                value = value - before
-            setattr(out, name, value)
-        return out
-
-    def plus(self, later: GenerationMetrics) -> GenerationMetrics:
-        """This run and a `later` one of the same request added up (a request paused on one path
-        and finished on another); prompt_tokens and new_tokens are left for the caller to set."""
-        out = copy.deepcopy(self)
-        for name, value in vars(later).items():
-            mine = getattr(out, name)
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    mine[k] = [a + b for a, b in zip(mine.get(k, [0] * len(v)), v)]
-            elif isinstance(value, list):
-                mine += [0] * (len(value) - len(mine))
-                for i, a in enumerate(value):
-                    mine[i] += a
-            else:
-                setattr(out, name, mine + value)
-        return out
-
-    def trim_positions(self) -> None:
-        """Drop the per-position counts beyond the last position ever drafted."""
-        used = max((i + 1 for i, d in enumerate(self.drafted_per_position) if d), default=0)
-        self.drafted_per_position = self.drafted_per_position[:used]
-        self.accepted_per_position = self.accepted_per_position[:used]
-
-    @property
-    def acceptance(self) -> float | None:
-        """Fraction of drafted tokens the target kept; None when nothing was drafted."""
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens committed per target forward after prefill (1.0 for OFF)."""
-        return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.update(
-            acceptance=self.acceptance,
-            acceptance_per_position=self.acceptance_per_position,
-            mean_accepted_length=self.mean_accepted_length,
-            tokens_per_s=self.tokens_per_s,
-        )
-        return out
-
-
-@dataclass(frozen=True)
-class BatchRequest:
-    """A request joining a running batch (`generate_batch`'s `admit`), or the rest of a request
-    `generate` paused (its `rest`): that one carries the output so far (`resumes`: the result
-    of the paused part, whose tokens end `prompt`, added to the batch's result), its random
-    stream, so its draws go on where they stopped, and the target's keys and values over all
-    of `prompt` but its last token (`cached`), so it joins a batch without a second prefill."""
-
-    prompt: str | list[int] | torch.Tensor
-    max_new_tokens: int = 64
-    sampling: SamplingParams | None = None
-    streamer: Streamer | None = None
-    resumes: GenerationResult | None = None
-    generator: torch.Generator | None = None
-    cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the paused part's (ModelRunner.cached)
-
-
-@dataclass
-class BatchResult:
-    """The requests of a batch, in order, and the batch's own metrics (rounds, draft steps, times)."""
-
-    results: list[GenerationResult]
-    metrics: GenerationMetrics
-
-    def __iter__(self):
-        return iter(self.results)
-
-    def __len__(self) -> int:
-        return len(self.results)
-
-    def __getitem__(self, i: int) -> GenerationResult:
-        return self.results[i]
-
-
-@dataclass
-class GenerationResult:
-    tokens: list[int]  # new tokens only
-    arm: Arm
-    metrics: GenerationMetrics
-    text: str | None = None
-    fell_back: bool = False  # speculation failed mid-request and OFF finished it
-    fallback_error: str | None = None
-    stream_error: str | None = None  # the request's streamer raised: the output stops there
-    rest: BatchRequest | None = None  # paused (`generate`'s `pause`): what finishes it in a batch
-    logprobs: list[dict[int, float]] | None = None  # per output token, with SamplingParams.logprobs
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with SamplingParams.prompt_logprobs
-    # vLLM's and OpenAI's: "stop" (the model's EOS, a stop token or string, a stopping criterion),
-    # "length" (max_new_tokens reached), "abort" (its streamer raised); None while paused (`rest`).
-    finish_reason: str | None = None
+from engine.streaming import Streamer, end_stream
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
     if isinstance(path_or_model, (str, Path)):
         path_or_model = AutoModelForCausalLM.from_pretrained(path_or_model, dtype=dtype)
     return path_or_model.to(device=device, dtype=dtype).eval()
+
+
+class _Alone:
+    """How one request's round feeds the models (`engine.round.Feed`): the target's runner, and
+    the drafter with its own cache, one sequence each."""
+
+    def __init__(self, runner: ModelRunner, drafter: Drafter | None, device: torch.device) -> None:
+        self.runner, self.drafter, self.device = runner, drafter, device
+        self.fell_back, self.error = False, None
+
+    @property
+    def drafting(self) -> bool:
+        return self.drafter is not None
+
+    def begin(self, prompt: torch.Tensor, max_length: int) -> None:
+        """The drafter's prefill; one that fails leaves the request OFF."""
+        try:
+            self.drafter.begin(prompt, max_length)
+        except Exception as exc:  # speculation must never lose a request
+            self.fall_back(f"drafter prefill: {type(exc).__name__}: {exc}")
+
+    def draft(self, rows: list[Row], ks: list[int]) -> Drafts:
+        row = rows[0]
+        tokens, dist = self.drafter.propose(row.tokens, ks[0], row.sampling, row.generator)
+        return Drafts([tokens], [dist])
+
+    def verify(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
+        row = rows[0]
+        step = torch.tensor([[row.tokens[-1], *drafts[0]]], device=self.device)
+        return self.runner.step(step, len(row.tokens) - 1, keep=step.shape[1])[None]
+
+    def undo_verify(self, rows: list[Row]) -> None:
+        self.runner.truncate(len(rows[0].tokens) - 1)
+
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts) -> None:
+        self.runner.truncate(start + kept)
+        if drafts.tokens[b] and self.drafter is not None:
+            self.drafter.rollback(start + kept)
+
+    def fall_back(self, error: str) -> None:
+        self.drafter, self.fell_back, self.error = None, True, error
 
 
 class SpeculativeEngine:
@@ -397,9 +297,9 @@ class SpeculativeEngine:
         that cannot decode batched."""
         check_batchable(self.target)
         drafter = self.check_request(prompt_len, arm, max_new_tokens)
-        if drafter is not None and type(drafter) not in (ModelDrafter, NGramDrafter, HybridDrafter):
-            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched;"
-                                      " batches take model, n-gram and hybrid drafters")
+        if drafter is not None and not capabilities(drafter).batch:
+            raise InvalidRequestError(f"drafter {arm.drafter!r} ({type(drafter).__name__}) cannot run batched:"
+                                      " it does not declare Capabilities(batch=True)")
         return drafter
 
     def _sync(self) -> float:
@@ -446,121 +346,54 @@ class SpeculativeEngine:
     def _decode(self, ids: torch.Tensor, arm: Arm, drafter: Drafter | None, max_new_tokens: int,
                 sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None,
                 pause: Callable[[], bool] | None) -> GenerationResult:
-        generator = self._generator(sampling)
-        stopping = self.stopping(sampling, ids.numel())
-
-        m = GenerationMetrics(prompt_tokens=ids.numel())
-        m.drafted_per_position = [0] * MAX_K
-        m.accepted_per_position = [0] * MAX_K
-        result = GenerationResult(tokens=[], arm=arm, metrics=m)
+        m = GenerationMetrics.of_request(ids.numel())
+        row = Row(ids.tolist(), ids.numel(), max_new_tokens, sampling, self._generator(sampling),
+                  self.stopping(sampling, ids.numel()), m, streamer)
         start = self._sync()
-
         max_length = ids.numel() + max_new_tokens  # K <= remaining - 1: no round writes past this
         logits = self.runner.begin(ids, max_length, 1 if sampling.prompt_logprobs is None else 0)
         m.cached_prompt_tokens = self.runner.reused
-        tokens = ids.tolist()
         if sampling.prompt_logprobs is not None:
-            result.prompt_logprobs = prompt_logprobs(logits, tokens, sampling.prompt_logprobs)
-        first, logprobs = commit(logits[-1:], tokens, [], None, sampling, stopping, generator)
-        tokens += first
-        target_done = None
+            row.prompt_logprobs = prompt_logprobs(logits, row.tokens, sampling.prompt_logprobs)
+        row.start(logits[-1:])
+        feed = _Alone(self.runner, drafter, self.device)
         if drafter is not None:
             target_done = self._sync()
-            try:
-                drafter.begin(ids, max_length)
-            except Exception as exc:  # speculation must never lose a request: OFF from here
-                drafter, result.fell_back = None, True
-                result.fallback_error = f"drafter prefill: {type(exc).__name__}: {exc}"
-        now = self._sync()
-        m.prefill_s = now - start
-        if target_done is not None:
-            m.draft_prefill_s = now - target_done
-        if streamer is not None:
-            first_entry = None if logprobs is None else logprobs[:1]  # a copy: the list grows
-            result.stream_error = put_prompt(streamer, tokens[:-1]) or put_tokens(streamer, tokens[-1:], first_entry)
-            now = self._streamed(m, now)
+            feed.begin(ids, max_length)
+            m.draft_prefill_s = self._sync() - target_done
+        m.prefill_s = self._sync() - start
+        now = stream([row], [row.prompt_len], m, prompt=True)
 
-        k = arm.k
-        stopped = stopping.end(tokens, len(tokens) - 1) is not None
-        done = stopped or result.stream_error is not None
-        paused = False
-        while not done and len(tokens) - m.prompt_tokens < max_new_tokens:
-            remaining = max_new_tokens - (len(tokens) - m.prompt_tokens)
+        k, paused = arm.k, False
+        while not row.done:
             if pause is not None and pause():
                 paused = True
                 break
-            draft, q = [], None
-            if drafter is not None and remaining > 1:
-                try:
-                    draft, q = drafter.propose(tokens, min(k, remaining - 1), sampling, generator)
-                except Exception as exc:  # speculation must never lose a request
-                    drafter, result.fell_back = None, True
-                    result.fallback_error = f"{type(exc).__name__}: {exc}"
-                    draft, q = [], None
-                before_verify = self._sync()
-                m.draft_s += before_verify - now
-                now = before_verify
+            before = len(row.tokens)
+            report = decode_round(feed, [row], k, self._sync, began=now)
+            if report.drafted[0]:
+                k = schedule.next_k(k, report.drafted[0], report.accepted[0])
+            now = stream([row], [before], m, since=report.ended)
 
-            step = torch.tensor([[tokens[-1], *draft]], device=self.device)
-            try:
-                logits = self.runner.step(step, len(tokens) - 1, keep=step.shape[1])
-            except Exception as exc:
-                if not draft:
-                    raise
-                # The target could not take a step this wide (a model bug, memory): OFF from here,
-                # from the cache as it was before the step (each layer cut back to it).
-                drafter, draft, q, result.fell_back = None, [], None, True
-                result.fallback_error = f"verify: {type(exc).__name__}: {exc}"
-                self.runner.truncate(len(tokens) - 1)
-                step = step[:, :1]
-                logits = self.runner.step(step, len(tokens) - 1, keep=1)
-            kept, kept_logprobs = commit(logits, tokens, draft, q, sampling, stopping, generator)
-            n = len(kept) - 1
-            prev = len(tokens)
-            tokens += kept
-            if kept_logprobs is not None:
-                logprobs += kept_logprobs
-            self.runner.truncate(len(tokens) - 1)
-            if (end := stopping.end(tokens, prev)) is not None:  # an EOS inside an accepted draft ends it there
-                del tokens[end + 1:]
-                done = stopped = True
-            if draft:
-                m.drafted += len(draft)
-                m.draft_steps += len(draft)
-                m.draft_rounds += 1
-                m.accepted += n
-                for i in range(len(draft)):
-                    m.drafted_per_position[i] += 1
-                    m.accepted_per_position[i] += i < n
-                if drafter is not None:
-                    drafter.rollback(prev + n)
-                k = schedule.next_k(k, len(draft), n)
-            m.rounds += 1
-            before = now
-            now = self._sync()
-            m.add_verify(step.shape[1], now - before)
-            if streamer is not None:
-                entries = None if logprobs is None else logprobs[prev - m.prompt_tokens:len(tokens) - m.prompt_tokens]
-                result.stream_error = put_tokens(streamer, tokens[prev:], entries)
-                now = self._streamed(m, now)
-                done = done or result.stream_error is not None
-
+        tokens = row.tokens
         if not paused:  # a chat's next turn starts with this prompt and output
             self.runner.keep(tokens[:-1])
-            if (model := model_drafter_of(drafter)) is not None:
+            if (model := model_drafter_of(feed.drafter)) is not None:
                 model.keep(tokens[:-1])
         m.trim_positions()
-        result.tokens = tokens[m.prompt_tokens :]
-        result.logprobs = None if logprobs is None else logprobs[: len(result.tokens)]  # a stop cut the tokens
+        result = GenerationResult(tokens[row.prompt_len:], arm, m, fell_back=feed.fell_back,
+                                  fallback_error=feed.error, stream_error=row.stream_error)
+        result.prompt_logprobs = row.prompt_logprobs
+        result.logprobs = None if row.logprobs is None else row.logprobs[: len(result.tokens)]  # a stop cut the tokens
         m.new_tokens = len(result.tokens)
         m.total_s = self._sync() - start - m.stream_s
         if self.tokenizer is not None:
-            result.text = stopping.text(result.tokens)
+            result.text = row.stopping.text(result.tokens)
         if paused:
-            result.rest = BatchRequest(tokens, remaining, sampling, streamer, copy.copy(result), generator,
+            result.rest = BatchRequest(tokens, row.remaining, sampling, streamer, copy.copy(result), row.generator,
                                        self.runner.cached(len(tokens) - 1))
         else:
-            result.finish_reason = finish_reason(stopped, result.stream_error)
+            result.finish_reason = finish_reason(row.stopped, result.stream_error)
         return result
 
     @torch.inference_mode()
@@ -628,8 +461,8 @@ class SpeculativeEngine:
         generator = request.generator if request.generator is not None else self._generator(sampling)
         output_start = request.resumes.metrics.prompt_tokens if request.resumes is not None else ids.numel()
         return Row(ids.tolist(), ids.numel(), request.max_new_tokens, sampling, generator,
-                   self.stopping(sampling, output_start), request.streamer, resumes=request.resumes,
-                   cached=request.cached)
+                   self.stopping(sampling, output_start), GenerationMetrics.of_request(ids.numel()),
+                   request.streamer, resumes=request.resumes, cached=request.cached)
 
     def _end_ids(self, sampling: SamplingParams) -> set[int]:
         """The token ids that end this request's output: the model's EOS unless ignored, and its stop ids."""
@@ -640,19 +473,6 @@ class SpeculativeEngine:
         return Stopping(self._end_ids(sampling), sampling.stop, self.tokenizer, output_start,
                         sampling.include_stop_str_in_output, sampling.min_tokens, sampling.stopping_criteria,
                         sampling.skip_special_tokens)
-
-    @staticmethod
-    def _row_metrics(row: Row) -> GenerationMetrics:
-        return GenerationMetrics(prompt_tokens=row.prompt_len, drafted_per_position=[0] * MAX_K,
-                                 accepted_per_position=[0] * MAX_K)
-
-    @staticmethod
-    def _streamed(m: GenerationMetrics, since: float) -> float:
-        """Book the time since `since` to the streamer (a slow client must not read as a slow
-        arm to the policy); the new start of the engine's clock."""
-        now = time.perf_counter()
-        m.stream_s += now - since
-        return now
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
         """A sampled request's own random stream (seeded when it gives a seed); None for greedy."""
@@ -690,7 +510,7 @@ class BatchSession:
         self.results: dict[int, GenerationResult] = {}
         self.keep_results = keep_results
         # the counts of the requests forgotten (keep_results=False)
-        self._retired = GenerationMetrics(drafted_per_position=[0] * MAX_K, accepted_per_position=[0] * MAX_K)
+        self._retired = GenerationMetrics.of_request(0)
         self._run = BatchRun(engine.target, self._drafter(arm), arm.k, self.metrics, engine._sync, prefill_chunk,
                              engine.runner.prefixes)
 
@@ -731,7 +551,7 @@ class BatchSession:
         drafter steps, times, and drafts kept (by position) over every request."""
         out = copy.deepcopy(self.metrics)
         out.new_tokens = self._retired.new_tokens + sum(len(r.tokens) - r.prompt_len for r in self._run.rows.values())
-        metrics = [*self._run.metrics.values(), self._retired]
+        metrics = [*(r.metrics for r in self._run.rows.values()), self._retired]
         out.drafted = sum(m.drafted for m in metrics)
         out.accepted = sum(m.accepted for m in metrics)
         out.drafted_per_position = [sum(m.drafted_per_position[j] for m in metrics if j < len(m.drafted_per_position))
@@ -746,7 +566,7 @@ class BatchSession:
         """Prefill `requests` (all checked first) into the batch; their indexes (in the order added)."""
         rows = [self.engine._batch_row(request, self.arm) for request in requests]
         first = self._run.added
-        self._run.admit(rows, [self.engine._row_metrics(r) for r in rows])
+        self._run.admit(rows)
         return list(range(first, first + len(rows)))
 
     @torch.inference_mode()
@@ -765,8 +585,7 @@ class BatchSession:
 
     def _forget(self, i: int) -> None:
         """Drop request i from the session (keep_results=False), its counts kept in the totals."""
-        del self._run.rows[i]
-        self._retired = self._retired.plus(self._run.metrics.pop(i))  # its prompt_tokens and new_tokens too
+        self._retired = self._retired.plus(self._run.rows.pop(i).metrics)  # its prompt_tokens and new_tokens too
 
     @torch.inference_mode()
     def switch(self, arm: Arm) -> None:
@@ -783,7 +602,8 @@ class BatchSession:
         """The requests done since the last call, as (index, result); their streams are ended."""
         out = []
         for i in self._run.finished:
-            row, m = self._run.rows[i], self._run.metrics[i]
+            row = self._run.rows[i]
+            m = row.metrics
             m.trim_positions()
             tokens = row.tokens[row.prompt_len:]
             logprobs = None if row.logprobs is None else row.logprobs[:len(tokens)]  # a stop cut the tokens
@@ -820,7 +640,8 @@ class BatchSession:
         self.finished()
         batch = self.totals()  # sums per position over untrimmed lengths: rows were trimmed when done
         batch.prompt_tokens = self._retired.prompt_tokens + sum(r.prompt_len for r in self._run.rows.values())
-        batch.cached_prompt_tokens = sum(m.cached_prompt_tokens for m in [self._retired, *self._run.metrics.values()])
+        batch.cached_prompt_tokens = sum(m.cached_prompt_tokens
+                                         for m in [self._retired, *(r.metrics for r in self._run.rows.values())])
         batch.trim_positions()
         return BatchResult([self.results[i] for i in sorted(self.results)], batch)
 

@@ -523,3 +523,40 @@ def test_batch_bad_input(engine):
         engine.generate_batch([[1, 2], []], "off")
     with pytest.raises(InvalidRequestError, match="one entry per prompt"):
         engine.generate_batch([[1, 2]], "off", [5, 6])
+
+
+class RecordingLookup(NGramDrafter):
+    """Prompt lookup that keeps every (context, draft) it proposed, to count drafts independently."""
+
+    def __init__(self):
+        super().__init__(max_ngram=3)
+        self.proposals = []
+
+    def propose(self, tokens, k, params, generator):
+        draft, dist = super().propose(tokens, k, params, generator)
+        if draft:
+            self.proposals.append((tuple(tokens), draft))
+        return draft, dist
+
+
+def test_batched_counts_per_position_match_an_independent_count(target):
+    """Each request's drafted and accepted counts per position, as the batch reports them, equal a
+    count made from outside: every draft the lookup proposed for the request, kept as far as it
+    matches the request's final output (greedy, so a draft is kept exactly where it matches)."""
+    lookup = RecordingLookup()
+    engine = SpeculativeEngine(target, {"ngram": lookup})
+    batch = prompts(9, seed=23)
+    out = engine.generate_batch(batch, "ngram:4", [12 + 3 * i for i in range(9)], SamplingParams(ignore_eos=True))
+    assert sum(r.metrics.drafted for r in out) > 20 and sum(r.metrics.accepted for r in out) >= 5
+    for prompt, result in zip(batch, out):
+        final = prompt + result.tokens
+        drafted, accepted = [0] * 4, [0] * 4
+        for context, draft in lookup.proposals:
+            if len(context) >= len(prompt) and final[:len(context)] == list(context):
+                matched = next((j for j, t in enumerate(draft) if final[len(context) + j] != t), len(draft))
+                for j in range(len(draft)):
+                    drafted[j] += 1
+                    accepted[j] += j < matched
+        used = max((j + 1 for j, d in enumerate(drafted) if d), default=0)
+        assert result.metrics.drafted_per_position == drafted[:used]
+        assert result.metrics.accepted_per_position == accepted[:used]

@@ -6,6 +6,7 @@ from conftest import tiny_llama, tiny_qwen3_next
 
 from engine import (
     Arm,
+    Capabilities,
     HeuristicK,
     HybridDrafter,
     IncompatibleDrafterError,
@@ -20,6 +21,8 @@ from engine import (
 class AlwaysWrongDrafter(ModelDrafter):
     """The target itself as drafter, with every proposal shifted by one: never accepted."""
 
+    capabilities = Capabilities()  # its proposals are its own: a batch's steps or a replay would not make them
+
     def propose(self, tokens, k, params, generator):
         draft, _ = super().propose(tokens, k, params, generator)
         return [(t + 1) % self.vocab_size for t in draft], None
@@ -27,6 +30,8 @@ class AlwaysWrongDrafter(ModelDrafter):
 
 class FailingDrafter(ModelDrafter):
     """Raises at its `fail_at`-th proposal (0: in its prefill, before any)."""
+
+    capabilities = Capabilities()
 
     def __init__(self, model, fail_at: int):
         super().__init__(model)

@@ -23,8 +23,9 @@ from pathlib import Path
 from autotune.bench.common import device_name, p99, rotate
 from autotune.classes import Request, RequestClass
 from autotune.controller import AutotuneController, default_arms
-from engine import HybridDrafter, NGramDrafter, SpeculativeEngine
+from engine import SpeculativeEngine
 from engine.arms import OFF, Arm
+from engine.drafters import lookup_of, model_drafter_of
 from policies import make_policy
 from store import Store
 
@@ -56,8 +57,8 @@ def arm_kind(engine: SpeculativeEngine, arm: str) -> str:
     drafter = engine.drafters.get(Arm.parse(arm).drafter)
     if drafter is None:
         return "off"
-    return "n-gram" if isinstance(drafter, NGramDrafter) else "hybrid" if isinstance(drafter, HybridDrafter) \
-        else "model"
+    lookup, model = lookup_of(drafter), model_drafter_of(drafter)
+    return "hybrid" if lookup and model else "n-gram" if lookup else "model"
 
 
 def _goodput(rows: list[dict]) -> float:
