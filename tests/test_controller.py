@@ -9,7 +9,8 @@ from conftest import tiny_qwen3_next
 
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch
-from autotune.controller import AutotuneController
+from autotune.controller import AutotuneController, PendingRequest
+from autotune.rewards import RewardModel
 from engine import MAX_K, OFF, Arm, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, PolicyError
 from store import Store
@@ -77,7 +78,7 @@ def test_a_batch_is_served_learned_and_recorded_under_its_load(engine, target, t
     assert any(str(b[0].arm) != "off" for b in batches[1:])  # then it learns, with estimates for every arm
     state = ctl.policy.state_dict()
     assert "code@load5+" in state and "code@load1" in state  # learned apart: costs differ by load
-    assert set(ctl.costs) == {"1", "1 sampled", "5+", "5+ sampled"} and alone.load == 1  # by load and sampling
+    assert set(ctl.rewards.costs) == {"1", "1 sampled", "5+", "5+ sampled"} and alone.load == 1  # by load and sampling
     assert len(rows) == 25 and sorted({r["load"] for r in rows}) == [1, 6]
 
 
@@ -94,9 +95,9 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         resumed = AutotuneController(engine, store, policy="ucb", arms=arms)
         assert resumed.policy.state_dict() == before
         # and the measured costs: rewards and replays price arms as before the restart
-        assert {b: c.state_dict() for b, c in resumed.costs.items()} == {b: c.state_dict()
-                                                                         for b, c in ctl.costs.items()}
-        assert set(resumed.costs) == {"1", "1 sampled"} and resumed.costs["1"].off_step() > 0
+        assert {b: c.state_dict() for b, c in resumed.rewards.costs.items()} == {b: c.state_dict()
+                                                                         for b, c in ctl.rewards.costs.items()}
+        assert set(resumed.rewards.costs) == {"1", "1 sampled"} and resumed.rewards.costs["1"].off_step() > 0
         assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
         # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
@@ -251,7 +252,7 @@ class FirstRound:
 def three_then_the_rest(ctl: AutotuneController, worker, count: int) -> None:
     """Run `worker(i)` for i < count on threads: 0-2 arrive while the engine is busy, so they form
     one batch once it is free; the rest start then (their workers wait until it decodes)."""
-    queue = ctl._coalescer
+    queue = ctl.coalescer
     with queue._cv:
         queue._busy = True
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
@@ -438,7 +439,7 @@ def test_a_request_its_arm_has_no_room_for_is_served_off(engine, target):
     alone = ctl.generate(near_limit, "code", 4)
     assert alone.arm == OFF and alone.tokens == hf_greedy(target, near_limit, 4)
     prompts = [PROMPTS[0], near_limit, PROMPTS[1]]
-    outcomes = ctl._serve_coalesced(None, Batch.of([(p, "code", False, 4, SamplingParams(), None, 0.0)
+    outcomes = ctl._serve_coalesced(None, Batch.of([PendingRequest(p, "code", False, 4, SamplingParams(), None, 0.0)
                                                     for p in prompts]))
     assert [o.tokens for o in outcomes] == [hf_greedy(target, p, 4) for p in prompts]
     assert ctl.generate(PROMPTS[0], "code", 4).arm == Arm("small", 3)  # the others still speculate
@@ -523,21 +524,21 @@ def test_the_reward_compares_a_request_with_off_on_the_same_request():
     # OFF: 10 ms prefill, 63 decode steps of 5 ms.
     normal = GenerationMetrics(new_tokens=64, rounds=63, prefill_s=0.01, verify_s=0.315, total_s=0.325,
                                verify_by_width={1: [0.315, 63]})
-    assert AutotuneController._reward(OFF, normal, 63, costs) == 1.0  # nothing to price it with yet
+    assert RewardModel.request_reward(OFF, normal, 63, costs) == 1.0  # nothing to price it with yet
     costs.observe(OFF, normal)
-    assert AutotuneController._reward(OFF, normal, 63, costs) == pytest.approx(1.0)
+    assert RewardModel.request_reward(OFF, normal, 63, costs) == pytest.approx(1.0)
     # An OFF request that stops after one token has no decode step: nothing to infer a step from.
     early_eos = GenerationMetrics(new_tokens=1, rounds=0, prefill_s=0.02, total_s=0.02)
-    assert AutotuneController._reward(OFF, early_eos, 0, costs) == pytest.approx(1.0)
+    assert RewardModel.request_reward(OFF, early_eos, 0, costs) == pytest.approx(1.0)
     # A speculative request of 33 tokens in 0.1 s, 10 verifies of 3 tokens priced at a 1-token step
     # each (nothing says otherwise yet): OFF would have taken 0.01 + 32 x 5 ms.
     spec = GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.01, verify_s=0.054, total_s=0.1,
                              verify_by_width={3: [0.054, 10]})
-    assert AutotuneController._reward(Arm("small", 2), spec, 32, costs) == pytest.approx(0.17 / 0.1)
+    assert RewardModel.request_reward(Arm("small", 2), spec, 32, costs) == pytest.approx(0.17 / 0.1)
     # Its short output does not make it look slow, nor a long prompt's prefill.
     long_prompt = GenerationMetrics(new_tokens=33, rounds=10, prefill_s=0.2, verify_s=0.054, total_s=0.29,
                                     verify_by_width={3: [0.054, 10]})
-    assert AutotuneController._reward(Arm("small", 2), long_prompt, 32, costs) == pytest.approx(0.36 / 0.29)
+    assert RewardModel.request_reward(Arm("small", 2), long_prompt, 32, costs) == pytest.approx(0.36 / 0.29)
 
 
 def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_at_full_speed():
@@ -557,8 +558,8 @@ def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_a
 
     costs.observe(Arm("small", 2), spec(1.0))
     # OFF: the target's prefill (not the drafter's) + 32 steps of 5 ms, where the arm took 93 ms.
-    assert AutotuneController._reward(Arm("small", 2), spec(1.0), 32, costs) == pytest.approx(0.17 / 0.093)
-    assert AutotuneController._reward(Arm("small", 2), spec(0.5), 32, costs) == pytest.approx(0.17 / 0.093)
+    assert RewardModel.request_reward(Arm("small", 2), spec(1.0), 32, costs) == pytest.approx(0.17 / 0.093)
+    assert RewardModel.request_reward(Arm("small", 2), spec(0.5), 32, costs) == pytest.approx(0.17 / 0.093)
 
 
 def test_no_reward_exceeds_the_tokens_its_rounds_committed_on_a_noisy_machine(engine, tmp_path):
@@ -583,17 +584,6 @@ def test_no_reward_exceeds_the_tokens_its_rounds_committed_on_a_noisy_machine(en
         assert r["reward"] <= max(1.0, (r["new_tokens"] - 1) / max(r["rounds"], 1)) + 1e-9, r
 
 
-class SegmentOf:
-    """A continuous batch's counters as `_learn_segment` reads them, for a segment that starts at zero."""
-
-    def __init__(self, arm: Arm, metrics, committed: int, row_rounds: int) -> None:
-        self.arm, self.fell_back, self.committed, self.row_rounds = arm, False, committed, row_rounds
-        self._metrics = metrics
-
-    def totals(self):
-        return self._metrics
-
-
 def test_a_continuous_segment_scores_its_tokens_per_engine_second_against_off(engine):
     """Rows joining and leaving copy the caches, and a speculative batch does that more often
     (its rows finish at different rounds): a segment is priced on all its engine time but the
@@ -604,16 +594,15 @@ def test_a_continuous_segment_scores_its_tokens_per_engine_second_against_off(en
     rewards = []
     update = ctl.policy.update
     ctl.policy.update = lambda context, arm, outcome: (rewards.append(outcome.reward), update(context, arm, outcome))
-    start = {"context": Context("code", 10, {}), "decision_s": 0.0, "totals": GenerationMetrics(), "committed": 0,
-             "row_rounds": 0}
+    code = Context("code", 10, {})
     # OFF: 10 rows x 100 rounds of 10 ms verifies, 1.25 s in all with the copies and the controller's work.
     off = GenerationMetrics(rounds=100, verify_s=1.0, verify_by_width={1: [1.0, 100]}, total_s=1.25)
-    ctl._learn_segment(start, SegmentOf(OFF, off, committed=1000, row_rounds=1000))
+    ctl.learn_segment(OFF, code, off, 1000, 1000, fell_back=False)
     # small:2, the same 1000 tokens in 50 rounds: 11 ms verifies, 4 ms drafts, 0.4 s of copies and 0.1 s
     # of its drafter's prefills of joiners (1.25 s, as OFF took), and 0.5 s of the target's prefills of joiners.
     spec = GenerationMetrics(rounds=50, draft_s=0.2, draft_steps=100, draft_rounds=50, verify_s=0.55,
                              verify_by_width={3: [0.55, 50]}, prefill_s=0.6, draft_prefill_s=0.1, total_s=1.75)
-    ctl._learn_segment(start, SegmentOf(Arm("small", 2), spec, committed=1000, row_rounds=500))
+    ctl.learn_segment(Arm("small", 2), code, spec, 1000, 500, fell_back=False)
     assert rewards == pytest.approx([1.0, 1.0])  # drafts, verifies and prefill alone: 1.18
 
 
@@ -629,19 +618,18 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
     update = ctl.policy.update
     ctl.policy.update = lambda context, arm, outcome: (rewards.append(outcome.reward), update(context, arm, outcome))
     ctl.policy.choose = lambda context: Arm("small", 2)
-    start = {"context": Context("code", 10, {}), "decision_s": 0.0, "totals": GenerationMetrics(), "committed": 0,
-             "row_rounds": 0}
+    code = Context("code", 10, {})
     off = GenerationMetrics(rounds=100, verify_s=1.0, verify_by_width={1: [1.0, 100]}, total_s=1.25)
     spec = GenerationMetrics(rounds=50, draft_s=0.2, draft_steps=100, draft_rounds=50, verify_s=0.55,
                              verify_by_width={3: [0.55, 50]}, total_s=1.25)
-    ctl.costs.setdefault("5+", CostModel()).observe(OFF, off)  # an OFF step is known at this load, from a batch
-    ctl._learn_segment(start, SegmentOf(Arm("small", 2), spec, committed=1000, row_rounds=500))
+    ctl.rewards.costs.setdefault("5+", CostModel()).observe(OFF, off)  # an OFF step is known at this load, from a batch
+    ctl.learn_segment(Arm("small", 2), code, spec, 1000, 500, fell_back=False)
     assert rewards == [] and ctl._updates == 0
-    assert ctl._decide(Context("code", 10, {}), segments=True)[1] == OFF
-    ctl._learn_segment(start, SegmentOf(OFF, off, committed=1000, row_rounds=1000))
-    ctl._learn_segment(start, SegmentOf(Arm("small", 2), spec, committed=1000, row_rounds=500))
+    assert ctl.decide(Context("code", 10, {}), segments=True)[1] == OFF
+    ctl.learn_segment(OFF, code, off, 1000, 1000, fell_back=False)
+    ctl.learn_segment(Arm("small", 2), code, spec, 1000, 500, fell_back=False)
     assert rewards == pytest.approx([1.0, 1.0])
-    assert [str(ctl._decide(Context("code", load, {}), segments=True)[1]) for load in (10, 3)] == ["small:2", "small:2"]
+    assert [str(ctl.decide(Context("code", load, {}), segments=True)[1]) for load in (10, 3)] == ["small:2", "small:2"]
 
 
 def test_a_learning_policy_serves_off_until_its_load_has_enough_off_steps_in_any_class(engine):

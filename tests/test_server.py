@@ -702,3 +702,25 @@ def test_usage_counts_the_prompt_tokens_a_kept_prefix_served(served):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_metrics_labels_are_escaped_so_a_prometheus_parser_reads_them_back():
+    """A request class is any text a caller sends: quotes, backslashes and line breaks in it must
+    come back intact through prometheus_client's own parser, not break the exposition."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine import GenerationMetrics
+
+    label = 'tenant "a"\\b\nnext line'
+    counters = ServedCounters()
+    metrics = GenerationMetrics(prompt_tokens=5, new_tokens=3, drafted=2, accepted=1, total_s=0.1,
+                                drafted_per_position=[1, 1], accepted_per_position=[1, 0])
+    counters.observe(SimpleNamespace(metrics=metrics, request_class=label, arm=Arm("self", 2), finish_reason="stop",
+                                     fell_back=False, queue_s=0.01))
+    families = {f.name: f for f in text_string_to_metric_families(counters.render())}
+    [sample] = families["autotune_generation_tokens"].samples
+    assert sample.labels == {"request_class": label, "arm": "self:2"} and sample.value == 3
+    queue = [s for s in families["autotune_request_queue_time_seconds"].samples if s.name.endswith("_count")]
+    assert [s.labels["request_class"] for s in queue] == [label]

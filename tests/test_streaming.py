@@ -10,7 +10,7 @@ from test_engine import FailingDrafter, hf_greedy, prompts
 from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
 
 from autotune.coalesce import Batch
-from autotune.controller import AutotuneController
+from autotune.controller import AutotuneController, PendingRequest
 from engine import OFF, SamplingParams, SpeculativeEngine
 from store import Store
 
@@ -118,7 +118,7 @@ def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_strea
     streamers = [Recorder() for _ in batch]
     # The batch is refused before decoding (one row over the target's context), then each is
     # served alone: the others stream their output once, the refused one streams nothing.
-    outcomes = ctl._serve_coalesced(None, Batch.of([(p, "code", False, 4, SamplingParams(), s, 0.0)
+    outcomes = ctl._serve_coalesced(None, Batch.of([PendingRequest(p, "code", False, 4, SamplingParams(), s, 0.0)
                                                     for p, s in zip(batch, streamers)]))
     assert "exceeds the target's context" in str(outcomes[1]) and streamers[1].puts == []
     for i in (0, 2):

@@ -1,0 +1,224 @@
+"""Rewards the controller learns from: speedups over OFF on the very work that was served.
+
+A request's reward is the time OFF would have taken for the same prompt and output over the
+time the arm took. OFF's time is the target's prefill plus one OFF step per output token after
+the first (`off_seconds`, the one formula), and the OFF step is the one the request's own
+verifies imply at its load (`CostModel.off_step_during`): a moment when the machine runs slow
+slows both sides alike, and comparing each request with itself keeps prompt and output length
+out of the reward's noise. No verify is priced below a step, so a reward never exceeds the
+tokens its rounds committed per verify.
+
+`RewardModel` holds the measured costs, per load bucket and greedy or sampled (`cost_key`), and
+says when they can price a reward at all (`knows_off`); `calibrate` measures them before the
+first request, so no request has to be served OFF to price the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+
+from autotune.counterfactual import CostModel, hybrid_parts
+from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
+from policies import LOAD_BUCKETS, Context, load_bucket
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_PROMPT = 256  # tokens of the prompt `calibrate` serves each arm kind on, at most
+# What `calibrate` serves, through the engine's tokenizer: text a model continues as it would a
+# request's, so drafts are kept about as often (on random token ids every sampled draft was
+# rejected, and rejection's extra work priced sampled rounds 1.4x what requests measured).
+CALIBRATION_TEXT = '''def read_config(path, defaults=None):
+    """Read a key = value file into a dict, with the defaults for keys it does not set."""
+    config = dict(defaults or {})
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if "=" not in line:
+                raise ValueError(f"{path}:{number}: expected key = value, got {line!r}")
+            key, value = (part.strip() for part in line.split("=", 1))
+            if value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            elif value.isdigit():
+                value = int(value)
+            config[key] = value
+    return config
+
+
+def write_config(path, config):
+    """Write a dict as a key = value file, one key a line, in sorted order."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for key in sorted(config):
+            value = config[key]
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            handle.write(f"{key} = {value}\\n")
+
+
+def merge_configs(*configs):
+    """The configs merged left to right: a later one's keys win."""
+    merged = {}
+    for config in configs:
+        merged.update(config)
+    return merged
+'''
+CALIBRATION_TOKENS = 17  # tokens it decodes per arm: 16 OFF steps, min_baseline_steps by default
+
+
+def cost_key(bucket: str, sampled: bool) -> str:
+    """Where the costs of requests at this load bucket are kept: a sampled round costs more than a
+    greedy one (drafts sampled under top-p 1.42x, verifies 1.17x on the demo family), and priced
+    as a greedy one's, every replay of a greedy request on a cost model fed sampled ones fell short."""
+    return bucket + (" sampled" if sampled else "")
+
+
+def is_sampled(context: Context) -> bool:
+    return context.features.get("temperature", 0.0) > 0
+
+
+def off_seconds(metrics: GenerationMetrics, off_steps: int, step: float) -> float:
+    """What OFF would have taken for this work: the target's prefill (a drafter's prefill is its
+    arm's cost, not OFF's) and `off_steps` steps of `step` seconds."""
+    return metrics.prefill_s - metrics.draft_prefill_s + max(off_steps, 0) * step
+
+
+class RewardModel:
+    """The measured costs, and the rewards they price.
+
+    A learning policy plays OFF at a load until `min_baseline_steps` OFF steps ran there (any
+    class), and again once every `remeasure_off_every` requests there: every reward and replay
+    is scaled by that step, and a policy that has left OFF would otherwise price them for good
+    by OFF steps measured at another moment of the machine (rewards 0.90-1.17x the speedups
+    measured beside them, by the moment each controller measured OFF).
+    """
+
+    def __init__(self, costs: dict[str, CostModel] | None = None, min_baseline_steps: int = 16,
+                 remeasure_off_every: int = 64) -> None:
+        self.costs = costs if costs is not None else {}  # cost_key -> measured draft and verify costs
+        self.min_baseline_steps = min_baseline_steps
+        self.remeasure_off_every = remeasure_off_every
+
+    def costs_for(self, load: int, sampled: bool) -> CostModel:
+        """The costs of requests at this load, greedy or sampled (made empty if none yet)."""
+        return self.costs.setdefault(cost_key(load_bucket(load), sampled), CostModel())
+
+    def costs_of(self, context: Context) -> CostModel | None:
+        """The measured costs of requests like `context`'s (its load, greedy or sampled), if any."""
+        return self.costs.get(cost_key(load_bucket(context.load), is_sampled(context)))
+
+    def knows_off(self, context: Context, segments: bool = False) -> bool:
+        """Whether rewards at the context's load can be priced true to scale: OFF's step measured
+        there recently enough (for continuous batches' `segments`, OFF's rounds at this load or
+        the nearest, see `segment_reward`)."""
+        if segments:
+            return self.off_decode_factor(context) is not None
+        costs = self.costs_of(context)
+        return (costs is not None and costs.off_rounds() >= self.min_baseline_steps
+                and costs.since_off < self.remeasure_off_every)
+
+    def off_decode_factor(self, context: Context) -> float | None:
+        """Engine seconds per verify second of OFF rounds in continuous batches at the context's
+        load bucket, else at the nearest bucket where OFF segments ran (rows drift between
+        buckets during a segment, so a decision's bucket may not be the one its segment is
+        learned in), of requests sampled as its first or else the others; None before any ran."""
+        here = LOAD_BUCKETS.index(load_bucket(context.load))
+        for other in sorted(LOAD_BUCKETS, key=lambda b: abs(LOAD_BUCKETS.index(b) - here)):
+            for sampled in (is_sampled(context), not is_sampled(context)):
+                costs = self.costs.get(cost_key(other, sampled))
+                if costs is not None and (factor := costs.off_decode_factor()) is not None:
+                    return factor
+        return None
+
+    @staticmethod
+    def request_reward(arm: Arm, metrics: GenerationMetrics, off_steps: int, costs: CostModel) -> float:
+        """Speedup over OFF of a request (or a batch served together) on `arm`: `off_seconds` over
+        the time it took. A batch's OFF steps are its longest output's (`off_steps`), each step
+        decoding every row. An OFF request scores about 1.0; 1.0 before any OFF step ran at its load."""
+        step = costs.off_step_during(metrics, arm.drafter)
+        if step is None or metrics.total_s <= 0:
+            return 1.0
+        return off_seconds(metrics, off_steps, step) / metrics.total_s
+
+    def row_reward(self, arm: Arm, metrics: GenerationMetrics, context: Context) -> float:
+        """The speedup of one request of a continuous batch, its own work only: its prefill and the
+        rounds it was in; 1.0 before any OFF step cost is known."""
+        costs = self.costs_of(context)
+        step = costs.off_step_during(metrics, arm.drafter) if costs is not None else None
+        taken = metrics.prefill_s + metrics.draft_s + metrics.verify_s
+        if step is None or taken <= 0:
+            return 1.0
+        return off_seconds(metrics, metrics.new_tokens - 1, step) / taken
+
+    def segment_reward(self, arm: Arm, done: GenerationMetrics, gain: float, context: Context,
+                       fell_back: bool) -> float | None:
+        """Learn the costs of a continuous batch's rounds on `arm` (`done`: their counters; `gain`:
+        the tokens they committed per live row and round, OFF's 1), and their reward: their tokens
+        per second over OFF's at the same load; None before an OFF segment ran.
+
+        The segment's time is everything but the target's prefills of requests joining (any arm
+        pays those): drafts, verifies, drafters' prefills, and the copies of the caches as rows
+        join and leave, which a speculative batch makes more of (its rows finish at different
+        rounds; OFF's joined together finish together). Counting drafts and verifies only,
+        segments of speculative arms scored 1.1-1.45 on the demo family where their batches
+        measured 0.95-1.04x OFF's tokens/s. An OFF round costs the OFF step that the segment's
+        own verifies imply, times the engine seconds OFF rounds take per second of their verify
+        (measured on OFF segments, `off_decode_factor`).
+        """
+        taken = done.total_s - (done.prefill_s - done.draft_prefill_s)
+        costs = self.costs_for(context.load, is_sampled(context))
+        # a drafter's prefill here covers whole contexts, not prompts: it prices no prompt token
+        costs.observe(arm, dataclasses.replace(done, draft_prefill_s=0.0), drafts=not fell_back)
+        if arm.is_off:
+            costs.observe_off_decode(taken, done.verify_s)
+        step = costs.off_step_during(done, arm.drafter)
+        factor = self.off_decode_factor(context)
+        if factor is None or step is None:
+            return None
+        return gain * done.rounds * step * factor / taken if taken > 0 else 1.0
+
+    def state_dict(self) -> dict:
+        return {key: costs.state_dict() for key, costs in self.costs.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.costs = {key: CostModel.from_state(s) for key, s in state.items()}
+
+
+def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: SamplingParams,
+              engine_lock: threading.Lock) -> CostModel:
+    """What OFF's steps and each drafter's rounds cost alone, measured before the first request
+    on CALIBRATION_TEXT (random token ids without a tokenizer; each drafter of `ks` at its smallest
+    and largest K, CALIBRATION_TOKENS each), so that the first request needs no OFF baseline,
+    every arm can be replayed from it, and no drafter is priced from one K played (a K=1 round
+    times K overpriced a drafter's longer rounds by a third, and kept it from being played).
+    Requests replace these figures as they come (each cost is a median over requests, by rounds).
+    A drafter's prefill is not priced from here: it is learned when the drafter is played."""
+    costs = CostModel()
+    length = CALIBRATION_PROMPT if engine.max_length is None else \
+        max(1, min(CALIBRATION_PROMPT, engine.max_length - CALIBRATION_TOKENS - MAX_K - 1))
+    if engine.tokenizer is not None:
+        prompt = engine.encode(CALIBRATION_TEXT).tolist()[:length]
+    else:
+        rng = random.Random(0)
+        prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
+    # OFF three times: every reward is scaled by its step. A hybrid is replayed from its parts' costs.
+    arms = [OFF] * 3 + [Arm(drafter, k) for drafter, drafter_ks in ks.items() for k in sorted({min(drafter_ks),
+                                                                                                 max(drafter_ks)})
+                        if hybrid_parts(engine, drafter) is None]
+    # A process's first forwards run slower (allocations, lazy loads), and a slow OFF step would
+    # price every verify low and every reward high: each arm runs a few steps unrecorded first.
+    warm_up = list(dict.fromkeys(arms))
+    for i, arm in enumerate([*warm_up, *arms]):
+        recorded = i >= len(warm_up)
+        try:
+            with engine_lock:
+                metrics = engine.generate(prompt, arm, CALIBRATION_TOKENS if recorded else 4, sampling).metrics
+        except Exception as exc:  # an arm that cannot be measured here is learned as it is played
+            logger.info("calibration of %s skipped: %s", arm, exc)
+            continue
+        if recorded:
+            costs.observe(arm, dataclasses.replace(metrics, draft_prefill_s=0.0))
+    return costs
