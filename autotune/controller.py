@@ -54,7 +54,8 @@ from policies import Context, Outcome, Policy, PolicyError, make_policy
 logger = logging.getLogger(__name__)
 SERVED_POLICY = "__served__"  # per key: requests served (how many replays it has had while learning)
 COSTS_POLICY = "__costs__"  # per load bucket, greedy or sampled: the measured draft and verify costs (CostModel)
-# The controller's own state, not a policy's; "__off_baseline__" is in stores saved by earlier versions.
+# The controller's own state, not a policy's ("__off_baseline__": a key older stores hold, which
+# `inspect` passes over).
 INTERNAL_POLICIES = (SERVED_POLICY, COSTS_POLICY, "__off_baseline__")
 DEFAULT_KS = (1, 2, 3, 4, 6, 8)
 DEFAULT_CLASS = "default"

@@ -152,7 +152,7 @@ class RequestClock:
 
     def prompt(self) -> None:
         """It is being served, again if its batch failed and it is served alone: the output
-        that counts starts over (a first attempt's tokens used to stand as its first token)."""
+        that counts starts over (a first attempt's tokens must not stand as its first token)."""
         self.first_token_at = self.last_token_at = None
 
     def tick(self) -> None:
