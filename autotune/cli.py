@@ -168,109 +168,137 @@ def _print_limits(result: dict) -> None:
 
 
 def cmd_bench(args) -> None:
+    """Run one `autotune bench` command: print its result, write it as JSON, and fail (exit 1)
+    where a benchmark's own check of the outputs did."""
     from autotune import bench
 
-    if args.what in ("store", "decisions"):
-        if args.what == "store":
-            result = bench.bench_store(1000 if args.quick else 5000)
-        else:
-            steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
-            result = bench.bench_decisions(**steps)
-            result["many_classes"] = bench.bench_decisions(**steps, classes=tuple(f"tenant-{i}" for i in range(1000)))
-        print(json.dumps(result, indent=2))
-        return _emit(result, args.json)
-    from engine import Arm
-
-    if args.what == "limits":
+    if args.what == "store":
+        result = bench.bench_store(1000 if args.quick else 5000)
+    elif args.what == "decisions":
+        steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
+        result = bench.bench_decisions(**steps)
+        result["many_classes"] = bench.bench_decisions(**steps, classes=tuple(f"tenant-{i}" for i in range(1000)))
+    elif args.what == "limits":
         engine = bench.llama_shaped_engine(args.device, compile=args.compile) if args.llama_shapes else _engine(args)
         result = bench.bench_limits(engine, max_k=4 if args.quick else args.max_k)
-        _print_limits(result)
-        return _emit(result, args.json)
-    engine = _engine(args, prefix_cache_tokens=PREFIX_BENCH_TOKENS if args.what == "prefix" else 0)
-    if args.what == "engine":
-        from autotune.classes import builtin_classes
+    else:
+        engine = _engine(args, prefix_cache_tokens=PREFIX_BENCH_TOKENS if args.what == "prefix" else 0)
+        result = _BENCHES[args.what](args, engine, bench)
+    _show(args, result)
+    _emit(result, args.json)
+    if args.what in _FAILURES and (failure := _FAILURES[args.what](result)):
+        raise CheckFailed(failure)
 
-        prompts = list(builtin_classes(include_shared=False)["code"].prompts[: 3 if args.quick else args.prompts])
-        result = bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens,
-                                    args.repetition_penalty, args.no_repeat_ngram)
-        print(json.dumps(result, indent=2))
-    elif args.what == "lossless":
-        arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else [Arm(d, 4) for d in engine.drafters]
-        result = bench.bench_lossless(engine, _classes(args), arms, args.prompts, args.max_new_tokens)
-        print(json.dumps(result, indent=2))
-        _emit(result, args.json)
-        if result["dtype"] == "float32" and result["identical"] < result["requests"]:
-            raise CheckFailed(f"{result['requests'] - result['identical']} float32 outputs differ from generate()")
-        return
-    elif args.what == "cache":
-        sizes = {1: 2, 4: 1} if args.quick else {1: 8, 16: 4, 64: 3}  # batch size -> batches served
-        cases = [(size, name, arm, repeats) for size, repeats in sizes.items() for name in ("code", "creative")
-                 for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
-        result = bench.bench_cache(engine, _classes(args), cases)
-        print(json.dumps(result, indent=2))
-    elif args.what == "longrun":
-        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
-        result = bench.bench_long_batch(engine, _classes(args), arms, 4 if args.quick else args.batch_size,
-                                        24 if args.quick else args.requests or 320, 1 if args.quick else 2)
-        print(json.dumps(result, indent=2))
-        if not result["identical_outputs"]:
-            raise CheckFailed("outputs differ between a batch that drops its holes and one that keeps them")
-    elif args.what == "choices":
-        cls = _classes(args)["creative" if not args.classes else args.classes.split(",")[0]]
-        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
-        result = bench.bench_choices(engine, cls, arms, 4 if args.quick else args.n, 1 if args.quick else args.prompts,
-                                     128 if args.quick else 512)
-        print(json.dumps(result, indent=2))
-        if not result["identical_outputs"]:
-            raise CheckFailed("outputs differ between a shared and an unshared prefill")
-    elif args.what == "lengths":
-        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
-        result = bench.bench_lengths(engine, _classes(args), arms, 8 if args.quick else args.batch_size,
-                                     1 if args.quick else args.prompts)
-        print(json.dumps(result, indent=2))
-        if not result["identical_outputs"]:
-            raise CheckFailed("outputs differ between grouped and one-forward prefills")
-    elif args.what == "chunked":
-        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
-        chunks = (None, 64) if args.quick else (None, *args.prefill_chunk)
-        result = bench.bench_chunked(engine, _classes(args), arms, chunks, rows=4 if args.quick else 8,
-                                     joins=2 if args.quick else 6, long_tokens=200 if args.quick else 900,
-                                     every=8 if args.quick else 24, rounds=1 if args.quick else 2)
-        result["clients"] = bench.bench_chunked_clients(engine, _classes(args), chunks, *((4, 2, 1) if args.quick else
-                                                                                        (args.clients, 4, 3)))
-        print(json.dumps(result, indent=2))
-        if not (result["identical_outputs"] and result["clients"]["identical_outputs"]):
-            raise CheckFailed("outputs differ between chunked and whole prefills")
-    elif args.what == "prefix":
-        cls = _classes(args)["code" if not args.classes else args.classes.split(",")[0]]
-        arms = [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
-        context = 200 if args.quick else args.context_tokens
-        result = bench.bench_prefix(engine, cls, arms, context, 4 if args.quick else args.requests or 24,
-                                    2 if args.quick else 8)
-        result["clients"] = bench.bench_prefix_clients(engine, _classes(args), context,
-                                                       *((4, 2, 1) if args.quick else (args.clients, 4, 2)))
-        print(json.dumps(result, indent=2))
-        if not (result["identical_outputs"] and result["clients"]["identical_greedy_outputs"]):
-            raise CheckFailed("outputs differ between prompts prefilled whole and from kept prefixes")
-    elif args.what in ("concurrency", "serve"):
-        clients, per_client = (8, 2) if args.quick else (args.clients, 4)
-        run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
-        result = run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2)
-        print(json.dumps(result, indent=2))
-        if not result["identical_greedy_outputs"]:
-            raise CheckFailed("greedy outputs differ between configurations")
-    elif args.what == "replay":
-        ks = (2, 4) if args.quick else (1, 2, 4, 8)
-        arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
-        result = bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
-        print(json.dumps({k: v for k, v in result.items() if k != "classes"}, indent=2))
-    elif args.what == "arms":
-        ks = (2, 4) if args.quick else bench.BENCH_KS
-        arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
-        result = bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
-                                  32 if args.quick else None, batch=args.batch)
+
+def _show(args, result: dict) -> None:
+    what = args.what
+    if what == "limits":
+        _print_limits(result)
+    elif what == "arms":
         _print_arms(result)
-    elif args.many_classes:
+    elif what == "replay":
+        print(json.dumps({k: v for k, v in result.items() if k != "classes"}, indent=2))
+    elif what == "controller" and "ground_truth" in result:
+        print(json.dumps({k: v for k, v in result.items() if k not in ("goodput", "ground_truth")}, indent=2))
+        print(f"plots: {args.out}/controller_arms.png, {args.out}/controller_regret.png")
+    else:
+        print(json.dumps(result, indent=2))
+
+
+def _bench_engine(args, engine, bench) -> dict:
+    from autotune.classes import builtin_classes
+    from engine import Arm
+
+    prompts = list(builtin_classes(include_shared=False)["code"].prompts[: 3 if args.quick else args.prompts])
+    return bench.bench_engine(engine, prompts, Arm.parse(args.arm), 32 if args.quick else args.max_new_tokens,
+                              args.repetition_penalty, args.no_repeat_ngram)
+
+
+def _bench_lossless(args, engine, bench) -> dict:
+    from engine import Arm
+
+    arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else [Arm(d, 4) for d in engine.drafters]
+    return bench.bench_lossless(engine, _classes(args), arms, args.prompts, args.max_new_tokens)
+
+
+def _bench_cache(args, engine, bench) -> dict:
+    from engine import Arm
+
+    sizes = {1: 2, 4: 1} if args.quick else {1: 8, 16: 4, 64: 3}  # batch size -> batches served
+    cases = [(size, name, arm, repeats) for size, repeats in sizes.items() for name in ("code", "creative")
+             for arm in (Arm(), Arm.parse("ngram+distilled:2" if size > 1 else "ngram+distilled:4"))]
+    return bench.bench_cache(engine, _classes(args), cases)
+
+
+def _off_and_hybrid(args) -> list:
+    from engine import Arm
+
+    return [Arm()] if args.quick else [Arm(), Arm.parse("ngram+distilled:2")]
+
+
+def _bench_longrun(args, engine, bench) -> dict:
+    return bench.bench_long_batch(engine, _classes(args), _off_and_hybrid(args), 4 if args.quick else args.batch_size,
+                                  24 if args.quick else args.requests or 320, 1 if args.quick else 2)
+
+
+def _bench_choices(args, engine, bench) -> dict:
+    cls = _classes(args)["creative" if not args.classes else args.classes.split(",")[0]]
+    return bench.bench_choices(engine, cls, _off_and_hybrid(args), 4 if args.quick else args.n,
+                               1 if args.quick else args.prompts, 128 if args.quick else 512)
+
+
+def _bench_lengths(args, engine, bench) -> dict:
+    return bench.bench_lengths(engine, _classes(args), _off_and_hybrid(args), 8 if args.quick else args.batch_size,
+                               1 if args.quick else args.prompts)
+
+
+def _bench_chunked(args, engine, bench) -> dict:
+    chunks = (None, 64) if args.quick else (None, *args.prefill_chunk)
+    result = bench.bench_chunked(engine, _classes(args), _off_and_hybrid(args), chunks, rows=4 if args.quick else 8,
+                                 joins=2 if args.quick else 6, long_tokens=200 if args.quick else 900,
+                                 every=8 if args.quick else 24, rounds=1 if args.quick else 2)
+    result["clients"] = bench.bench_chunked_clients(engine, _classes(args), chunks,
+                                                    *((4, 2, 1) if args.quick else (args.clients, 4, 3)))
+    return result
+
+
+def _bench_prefix(args, engine, bench) -> dict:
+    cls = _classes(args)["code" if not args.classes else args.classes.split(",")[0]]
+    context = 200 if args.quick else args.context_tokens
+    result = bench.bench_prefix(engine, cls, _off_and_hybrid(args), context, 4 if args.quick else args.requests or 24,
+                                2 if args.quick else 8)
+    result["clients"] = bench.bench_prefix_clients(engine, _classes(args), context,
+                                                   *((4, 2, 1) if args.quick else (args.clients, 4, 2)))
+    return result
+
+
+def _bench_clients(args, engine, bench) -> dict:
+    clients, per_client = (8, 2) if args.quick else (args.clients, 4)
+    run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
+    return run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2)
+
+
+def _every_arm(args, engine, ks) -> list:
+    from engine import Arm
+
+    return [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
+
+
+def _bench_replay(args, engine, bench) -> dict:
+    arms = _every_arm(args, engine, (2, 4) if args.quick else (1, 2, 4, 8))
+    return bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
+
+
+def _bench_arms(args, engine, bench) -> dict:
+    arms = _every_arm(args, engine, (2, 4) if args.quick else bench.BENCH_KS)
+    return bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
+                            32 if args.quick else None, batch=args.batch)
+
+
+def _bench_controller(args, engine, bench) -> dict:
+    """Policies against static arms and the per-class oracle: on many tenant classes
+    (`--many-classes`), or on the built-in classes against a ground truth of every arm."""
+    if args.many_classes:
         from autotune.bench.tenants import tenant_classes
 
         classes = tenant_classes(_classes(args), 6 if args.quick else args.many_classes)
@@ -279,36 +307,74 @@ def cmd_bench(args) -> None:
             result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class,
                                               policies=args.policies.split(","), chosen=chosen)
         result["noise"] = args.noise
-        print(json.dumps(result, indent=2))
-    else:
-        from autotune.classes import Workload
+        return result
+    from autotune.classes import Workload
 
-        classes = _classes(args)
-        truth = {}  # batch size -> ground truth
-        for path in args.arms_json or []:
-            measured = json.loads(Path(path).read_text())
-            truth[measured.get("batch", 1)] = measured
-        bursts = args.burst_share > 0
-        for size in sorted({1, args.burst_size} if bursts else {1}):
-            if size not in truth:
-                print(f"measuring ground truth per class first (bench arms --batch {size})")
-                arms = [Arm()] + [Arm(d, k) for d in engine.drafters for k in bench.BENCH_KS]
-                truth[size] = bench.bench_arms(engine, classes, arms, 2 if args.quick else args.prompts, batch=size)
-        names = list(classes)
-        weights = {n: 1.0 for n in names}
-        n = 40 if args.quick else args.requests or 160
-        load = {"burst_share": args.burst_share, "burst_size": args.burst_size}
-        flipped = {n_: (3.0 if i >= len(names) // 2 else 0.3) for i, n_ in enumerate(names)}
-        unflipped = {n_: (0.3 if i >= len(names) // 2 else 3.0) for i, n_ in enumerate(names)}
-        drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),), **load)
-        with _noise(args.noise, engine):
-            result = bench.bench_controller(engine, classes, truth, Workload(weights, n_requests=n, seed=0, **load),
-                                            Path(args.out), drift=None if args.no_drift else drift)
-        result["noise"] = args.noise
-        result["ground_truth"] = {str(size): t for size, t in truth.items()}
-        print(json.dumps({k: v for k, v in result.items() if k not in ("goodput", "ground_truth")}, indent=2))
-        print(f"plots: {args.out}/controller_arms.png, {args.out}/controller_regret.png")
-    _emit(result, args.json)
+    classes = _classes(args)
+    truth = {}  # batch size -> ground truth
+    for path in args.arms_json or []:
+        measured = json.loads(Path(path).read_text())
+        truth[measured.get("batch", 1)] = measured
+    bursts = args.burst_share > 0
+    for size in sorted({1, args.burst_size} if bursts else {1}):
+        if size not in truth:
+            print(f"measuring ground truth per class first (bench arms --batch {size})")
+            truth[size] = bench.bench_arms(engine, classes, _every_arm(args, engine, bench.BENCH_KS),
+                                           2 if args.quick else args.prompts, batch=size)
+    names = list(classes)
+    n = 40 if args.quick else args.requests or 160
+    load = {"burst_share": args.burst_share, "burst_size": args.burst_size}
+    flipped = {name: (3.0 if i >= len(names) // 2 else 0.3) for i, name in enumerate(names)}
+    unflipped = {name: (0.3 if i >= len(names) // 2 else 3.0) for i, name in enumerate(names)}
+    drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),), **load)
+    with _noise(args.noise, engine):
+        result = bench.bench_controller(engine, classes, truth, Workload({name: 1.0 for name in names}, n_requests=n,
+                                                                         seed=0, **load),
+                                        Path(args.out), drift=None if args.no_drift else drift)
+    result["noise"] = args.noise
+    result["ground_truth"] = {str(size): t for size, t in truth.items()}
+    return result
+
+
+_BENCHES = {
+    "engine": _bench_engine, "lossless": _bench_lossless, "cache": _bench_cache, "longrun": _bench_longrun,
+    "choices": _bench_choices, "lengths": _bench_lengths, "chunked": _bench_chunked, "prefix": _bench_prefix,
+    "concurrency": _bench_clients, "serve": _bench_clients, "replay": _bench_replay, "arms": _bench_arms,
+    "controller": _bench_controller,
+}
+
+
+def _same_outputs(*keys: str, differ: str):
+    """A check that fails, saying where outputs `differ`, unless every flag at `keys` (a.b: nested) is true."""
+    def failure(result: dict) -> str | None:
+        for key in keys:
+            value = result
+            for part in key.split("."):
+                value = value[part]
+            if not value:
+                return f"outputs differ between {differ}"
+        return None
+    return failure
+
+
+def _lossless_failure(result: dict) -> str | None:
+    if result["dtype"] == "float32" and result["identical"] < result["requests"]:
+        return f"{result['requests'] - result['identical']} float32 outputs differ from generate()"
+    return None
+
+
+# Benchmarks that compare outputs fail the command (exit 1) when they differ.
+_FAILURES = {
+    "lossless": _lossless_failure,
+    "longrun": _same_outputs("identical_outputs", differ="a batch that drops its holes and one that keeps them"),
+    "choices": _same_outputs("identical_outputs", differ="a shared and an unshared prefill"),
+    "lengths": _same_outputs("identical_outputs", differ="grouped and one-forward prefills"),
+    "chunked": _same_outputs("identical_outputs", "clients.identical_outputs", differ="chunked and whole prefills"),
+    "prefix": _same_outputs("identical_outputs", "clients.identical_greedy_outputs",
+                            differ="prompts prefilled whole and from kept prefixes"),
+    "concurrency": _same_outputs("identical_greedy_outputs", differ="configurations (greedy)"),
+    "serve": _same_outputs("identical_greedy_outputs", differ="configurations (greedy)"),
+}
 
 
 def _noise(kind: str | None, engine):

@@ -158,11 +158,35 @@ def _check_settings(max_batch: int, decide_every: int, save_every: int, min_base
 
 class AutotuneController:
     """Serves requests through an engine on the arm a policy picks per (request class, load), and
-    teaches the policy from each. With `max_batch` > 1, single requests from concurrent threads
-    are served together in batches (coalesce.py), of every class waiting unless
-    `mix_classes=False`, which requests arriving later join between rounds (continuous batching;
-    the policy decides again every `decide_every` rounds) and which hand each request back as
-    soon as it is done."""
+    teaches the policy from each.
+
+    Settings (each refused by name when out of range):
+    - `policy`, `arms`, `**policy_kwargs`: the policy by name (policies.POLICIES) over these arms
+      (default: OFF and every drafter at every K in DEFAULT_KS), or a `Policy`.
+    - `store`: where observations and what was learned are kept (store.Store); learning is saved
+      every `save_every` updates and on close, and loaded on start.
+    - `classifier`: names the class of a request given none (else DEFAULT_CLASS).
+    - `min_baseline_steps`, `remeasure_off_every`: see rewards.RewardModel.
+    - `counterfactual_requests`, `counterfactual_budget`, `counterfactual_weight`: a key's first
+      requests score every other arm by replay; after that replays run only while they stay
+      within `counterfactual_budget` of the key's serving time (a 16-row burst: 150 ms greedy,
+      570 ms sampled, against 0.6-1.0 s to serve it OFF on the demo family). The policy weighs
+      a replayed estimate at `counterfactual_weight` of a measured reward.
+    - `max_batch` > 1: single requests waiting at the same moment are served as one batch (at
+      most `batch_wait_ms` of waiting for the rest), of any classes (keyed MIXED_CLASS when they
+      differ) unless `mix_classes=False`.
+    - `continuous`: requests arriving while a batch decodes join it between rounds, and the
+      policy decides again every `decide_every` rounds (continuous.py); False: static batches,
+      each decided once and decoded to its last row.
+    - `prefill_chunk`: tokens of joiners' prefill per round (chunked prefill, vLLM's budget of
+      2048; None: in one go). On the demo family 512 took the rows' p99 gap under 900-token joins
+      from 109-134 to 72-88 ms but spread bursts of short prompts (0.93-0.99x the tokens/s).
+    - `pause_alone`: a request served alone pauses when another arrives and finishes in a
+      continuous batch with it; by default not on a compiled engine, whose one-request steps are
+      several times faster than its eager batches on a GPU.
+    - `calibrate`: measure OFF and every drafter before the first request (rewards.calibrate), so
+      that no request has to be served OFF to price the others.
+    """
 
     def __init__(
         self,
@@ -206,12 +230,6 @@ class AutotuneController:
         self.classifier = classifier
         self.save_every = save_every
         self.rewards = RewardModel(min_baseline_steps=min_baseline_steps, remeasure_off_every=remeasure_off_every)
-        # Requests also score every other arm (see counterfactual.py): a key's first
-        # `counterfactual_requests` requests, while the policy is still learning; after that only
-        # while replays, this one included (priced at the key's last replay), stay within
-        # `counterfactual_budget` of the key's serving time since, so arms not played stay known
-        # at a bounded cost whatever a replay costs on this engine (a 16-row burst: 150 ms greedy,
-        # 570 ms sampled, against 0.6-1.0 s to serve it OFF on the demo family).
         self.counterfactual_requests = counterfactual_requests
         self.counterfactual_budget = counterfactual_budget
         self.counterfactual_weight = counterfactual_weight
@@ -222,26 +240,11 @@ class AutotuneController:
         self.engine_lock = threading.Lock()
         self._updates = 0
         self._dirty: set[str] = set()
-        # Single requests waiting at the same moment become one batch: of any classes (keyed as
-        # MIXED_CLASS when they differ), or with mix_classes=False one batch per class.
         self.coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
         self.mix_classes = mix_classes
-        # continuous=False: static batches, each decided once and decoded to its last row.
         self.continuous = continuous
         self.decide_every = decide_every
-        # Requests joining a continuous batch are prefilled at most `prefill_chunk` tokens a round
-        # (BatchSession: chunked prefill, on as in vLLM, whose API server's default budget is
-        # 2048 too), so a burst of long prompts does not stall the rows decoding for its whole
-        # prefill; None: in one go. On the demo family (1024-token context) on the CPU 2048
-        # chunks only joins of several long prompts (bursts of 16 clients: 1.01-1.05x the
-        # tokens/s of one go); 512 took the rows' p99 gap under 900-token joins from 109-134
-        # to 72-88 ms, but spread bursts of short prompts over more rounds (their p99 gap 20-31
-        # -> 55-59 ms, 0.93-0.99x the tokens/s; `autotune bench chunked`).
         self.prefill_chunk = prefill_chunk
-        # pause_alone: a request served alone pauses when another arrives and finishes in a
-        # continuous batch with it (the one-request path takes no joiners). By default not on a
-        # compiled engine: its batches run eagerly, and a compiled one-request step is several
-        # times faster than an eager one on a GPU (OFF 4.98x generate() on an H100).
         if pause_alone is None:
             pause_alone = engine.cache_kind != "compiled"
         self._pausable = pause_alone and self.coalescer is not None and continuous
