@@ -62,6 +62,7 @@ DEFAULT_CLASS = "default"
 # The key of a coalesced batch whose requests are of several classes: one arm serves the whole
 # batch, so what it learns is the best arm for such a mix at that load, not for any one class.
 MIXED_CLASS = "(mixed)"
+MAX_CLASS_CHARS = 120  # a label, and "@load5+" after it, fit the store's 128-character key
 
 
 def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) -> list[Arm]:
@@ -129,6 +130,19 @@ def _check_label(request_class: str | None) -> None:
     if request_class == MIXED_CLASS:
         raise InvalidRequestError(f"{MIXED_CLASS!r} is the controller's key for batches of several classes,"
                                   " not a request class a caller can give")
+    if request_class is None:
+        return
+    # Every label is stored (observations, and the policy's key "class@load5+", 128 characters in
+    # the store): one the database cannot take would fail every later save of what was learned.
+    if len(request_class) > MAX_CLASS_CHARS:
+        raise InvalidRequestError(f"request_class is {len(request_class)} characters; at most {MAX_CLASS_CHARS}")
+    try:
+        request_class.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"request_class {request_class!r} is not valid Unicode text ({exc.reason} at"
+                                  f" {exc.start})") from None
+    if "\x00" in request_class:
+        raise InvalidRequestError(f"request_class {request_class!r} holds a NUL character, which databases refuse")
 
 
 def _check_settings(max_batch: int, decide_every: int, save_every: int, min_baseline_steps: int,

@@ -7,7 +7,9 @@ in batches, so `record()` only enqueues; `flush()` and `close()` write everythin
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import os
 import queue
 import random
@@ -18,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, func, insert, inspect, select, text
+from sqlalchemy import Text, create_engine, event, func, insert, inspect, select, text, type_coerce
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DatabaseError, OperationalError
 
@@ -55,15 +57,56 @@ def _sqlite_path(url: str) -> Path | None:
     if not url.startswith("sqlite"):
         return None
     path = url.split(":///", 1)[1] if ":///" in url else ""
+    path = path.split("?", 1)[0].removeprefix("file:")  # a URI filename (sqlite:///file:x.db?mode=ro&uri=true)
     return Path(path) if path and path != ":memory:" else None
 
 
 def _check_sqlite_file(path: Path) -> None:
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory, not a database file: pass a file in it, e.g."
+                         f" sqlite:///{path / 'autotune.db'}")
     if path.exists() and path.stat().st_size > 0:
         with open(path, "rb") as f:
             header = f.read(16)
         if header != SQLITE_MAGIC:
             raise StoreError(f"{path} is not a SQLite database (bad header); refusing to open or overwrite it")
+        # Before any connection of ours switches it to WAL: another application's file stays as it was.
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.DatabaseError:
+            return  # unreadable here: opening it says why
+        _refuse_foreign(str(path), tables)
+
+
+# Optuna's tables: its studies live in the same database (autotune tune), and may be there first.
+OPTUNA_TABLES = {"studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials",
+                 "trial_user_attributes", "trial_system_attributes", "trial_params", "trial_values",
+                 "trial_intermediate_values", "trial_heartbeats", "version_info", "alembic_version"}
+
+
+def _cannot_open(url: str, exc: DatabaseError) -> str:
+    reason = str(getattr(exc, "orig", exc))
+    if "readonly" in reason or "read-only" in reason:
+        return (f"{url} is read-only ({reason}): the store writes a run record and its observations;"
+                " give it a writable file (copy it) or directory")
+    return f"cannot open store {url}: {reason}"
+
+
+def _refuse_foreign(where: str, tables: set[str]) -> None:
+    """Refuse a database that holds another application's tables and none of autotune's."""
+    foreign = sorted(t for t in tables - OPTUNA_TABLES if not t.startswith("sqlite_"))
+    if foreign and not tables & OUR_TABLES:
+        raise StoreError(f"{where} holds another application's tables ({', '.join(foreign[:5])}) and none of"
+                         " autotune's: refusing to add to it; pass a database of its own")
+
+
+def _is_json(value: str | None) -> bool:
+    try:
+        json.loads(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 BUSY_TIMEOUT_S = 60.0
@@ -128,10 +171,13 @@ class Store:
             raise StoreError(f"cannot open store {self.url!r}: {exc}") from exc
         if self.engine.dialect.name == "sqlite":
             _configure_sqlite(self.engine)
-        self._init_schema()
         self.run_id = uuid.uuid4().hex
-        with self.engine.begin() as conn:
-            conn.execute(insert(Run).values(id=self.run_id, started_at=time.time(), label=label))
+        try:
+            self._init_schema()
+            with self.engine.begin() as conn:
+                conn.execute(insert(Run).values(id=self.run_id, started_at=time.time(), label=label))
+        except (DatabaseError, OperationalError) as exc:
+            raise StoreError(_cannot_open(self.url, exc)) from exc
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.dropped = 0  # observations the database refused, even alone
         self._unreported: tuple[int, BaseException] | None = None  # (dropped, last error) since `flush` told
@@ -142,32 +188,34 @@ class Store:
 
     # ----- schema -------------------------------------------------------------------------
     def _init_schema(self) -> None:
-        try:
-            with self.engine.begin() as conn:
-                present = set(inspect(conn).get_table_names()) & OUR_TABLES
-                if not present:
-                    Base.metadata.create_all(conn)
-                    conn.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
-                    return
-                if Meta.__tablename__ not in present:
-                    raise StoreError(f"{self.url}: autotune tables without a schema version; refusing to use it")
-                version = int(conn.execute(select(Meta.value).where(Meta.key == "schema_version")).scalar_one())
-                if version > SCHEMA_VERSION:
-                    raise StoreError(
-                        f"{self.url} has schema version {version}, newer than this autotune supports"
-                        f" ({SCHEMA_VERSION}); upgrade autotune. The database was left untouched."
-                    )
-                while version < SCHEMA_VERSION:
-                    if version not in MIGRATIONS:
-                        raise StoreError(f"{self.url}: no migration from schema version {version}")
-                    MIGRATIONS[version](conn)
-                    version += 1
-                    conn.execute(Meta.__table__.update().where(Meta.key == "schema_version").values(value=str(version)))
-                Base.metadata.create_all(conn)  # tables added without a version change
-        except StoreError:
-            raise
-        except (DatabaseError, OperationalError) as exc:
-            raise StoreError(f"cannot open store {self.url}: {exc.orig}") from exc
+        with self.engine.begin() as conn:
+            tables = set(inspect(conn).get_table_names())
+            present = tables & OUR_TABLES
+            _refuse_foreign(self.url, tables)
+            if not present:
+                Base.metadata.create_all(conn)
+                conn.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
+                return
+            if Meta.__tablename__ not in present:
+                raise StoreError(f"{self.url}: autotune tables without a schema version; refusing to use it")
+            stored = conn.execute(select(Meta.value).where(Meta.key == "schema_version")).scalar_one()
+            try:
+                version = int(stored)
+            except ValueError:
+                raise StoreError(f"{self.url}: schema version {stored!r} is not a number; the database was"
+                                 " left untouched") from None
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.url} has schema version {version}, newer than this autotune supports"
+                    f" ({SCHEMA_VERSION}); upgrade autotune. The database was left untouched."
+                )
+            while version < SCHEMA_VERSION:
+                if version not in MIGRATIONS:
+                    raise StoreError(f"{self.url}: no migration from schema version {version}")
+                MIGRATIONS[version](conn)
+                version += 1
+                conn.execute(Meta.__table__.update().where(Meta.key == "schema_version").values(value=str(version)))
+            Base.metadata.create_all(conn)  # tables added without a version change
 
     # ----- writes -------------------------------------------------------------------------
     def record(self, **observation) -> None:
@@ -291,8 +339,16 @@ class Store:
             newest,
             (PolicyState.request_class == newest.c.request_class) & (PolicyState.version == newest.c.v),
         ).where(PolicyState.policy == policy)
-        with self.engine.connect() as conn:
-            return {row.request_class: row.state for row in conn.execute(query)}
+        try:
+            with self.engine.connect() as conn:
+                return {row.request_class: row.state for row in conn.execute(query)}
+        except ValueError as exc:  # a state that is not JSON (edited or damaged by hand)
+            raw = select(PolicyState.request_class, type_coerce(PolicyState.state, Text).label("text")).where(
+                PolicyState.policy == policy)
+            with self.engine.connect() as conn:
+                bad = sorted({row.request_class for row in conn.execute(raw) if not _is_json(row.text)})
+            raise StoreError(f"{self.url}: the saved state of policy {policy!r} for {', '.join(bad[:5])} is not"
+                             f" valid JSON ({exc}); delete those rows to start them afresh") from exc
 
     def policy_history(self, policy: str | None = None) -> list[dict]:
         query = select(*PolicyState.__table__.c).order_by(PolicyState.saved_at)

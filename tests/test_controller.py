@@ -654,3 +654,18 @@ def test_warm_up_covers_every_k_a_schedule_can_reach(engine, tmp_path):
         assert Arm("small", MAX_K) in heuristic._reachable_arms()
         static = AutotuneController(engine, store, policy="static", arms=[OFF, Arm("small", 3)], arm=Arm("small", 3))
         assert static._reachable_arms() == [OFF, Arm("small", 3)]
+
+
+def test_a_label_the_store_could_not_keep_is_refused_and_learning_is_still_saved(engine, tmp_path):
+    """A label the database cannot store (a lone surrogate, one past the key's length) would fail
+    every later save of the policy on its key: it is refused by name, and what the other requests
+    taught is saved."""
+    url = f"sqlite:///{tmp_path / 'labels.db'}"
+    with Store(url) as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2)], save_every=1)
+        for label in ("a\ud800", "c" * 121):
+            with pytest.raises(InvalidRequestError, match="request_class"):
+                ctl.generate(PROMPTS[0], label, max_new_tokens=4)
+        ctl.generate(PROMPTS[0], "tenant ü " + "t" * 100, max_new_tokens=4)
+        ctl.close()
+        assert any(key.startswith("tenant ü") for key in store.load_policy_states("ucb"))

@@ -724,3 +724,11 @@ def test_metrics_labels_are_escaped_so_a_prometheus_parser_reads_them_back():
     assert sample.labels == {"request_class": label, "arm": "self:2"} and sample.value == 3
     queue = [s for s in families["autotune_request_queue_time_seconds"].samples if s.name.endswith("_count")]
     assert [s.labels["request_class"] for s in queue] == [label]
+
+
+def test_a_label_the_store_could_not_keep_gets_a_400_naming_it(served):
+    _, base = served
+    for label, why in [("a\ud800", "not valid Unicode"), ("x" * 121, "121 characters"), ("a\x00b", "NUL")]:
+        status, body = post(base, {"prompt": PROMPTS[0], "max_tokens": 2, "request_class": label})
+        assert status == 400 and why in body["error"]["message"] and "request_class" in body["error"]["message"]
+    assert post(base, {"prompt": PROMPTS[0], "max_tokens": 2, "request_class": "é" * 120})[0] == 200

@@ -249,3 +249,45 @@ def test_postgres_when_a_server_is_available():
         s.flush()
         assert s.load_policy_states("ucb")[run] == {"x": 1}
         assert any(o["run_id"] == run for o in s.observations(last=50))
+
+
+def _store_error(url: str) -> str:
+    """The StoreError opening `url` raises (any other exception fails the test)."""
+    with pytest.raises(StoreError) as raised:
+        Store(url).close()
+    return str(raised.value)
+
+
+def test_store_failures_are_store_errors_that_name_the_problem(tmp_path):
+    """A directory, a read-only file, a schema version that is not a number and corrupt policy
+    state each raise a StoreError saying what is wrong, never a raw OSError or ValueError."""
+    assert "is a directory" in _store_error(f"sqlite:///{tmp_path}")
+
+    readonly = tmp_path / "ro.db"
+    Store(f"sqlite:///{readonly}").close()
+    assert "read-only" in _store_error(f"sqlite:///file:{readonly}?mode=ro&uri=true")  # as a file it cannot write
+
+    garbled = tmp_path / "garbled.db"
+    Store(f"sqlite:///{garbled}").close()
+    with sqlite3.connect(garbled) as db:
+        db.execute("UPDATE autotune_meta SET value = 'three' WHERE key = 'schema_version'")
+    assert "schema version 'three'" in _store_error(f"sqlite:///{garbled}")
+
+    corrupt = tmp_path / "corrupt.db"
+    with Store(f"sqlite:///{corrupt}") as store:
+        store.save_policy_states({"ucb": {"code@load1": {"n": 1}}})
+    with sqlite3.connect(corrupt) as db:
+        db.execute("UPDATE autotune_policy_states SET state = '{not json'")
+    with Store(f"sqlite:///{corrupt}") as store, pytest.raises(StoreError, match="ucb.*code@load1.*not valid JSON"):
+        store.load_policy_states("ucb")
+
+
+def test_another_applications_database_is_refused_untouched(tmp_path):
+    foreign = tmp_path / "app.db"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    before = foreign.read_bytes()
+    assert "customers" in _store_error(f"sqlite:///{foreign}")
+    assert foreign.read_bytes() == before
+    with sqlite3.connect(foreign) as db:
+        assert [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["customers"]
