@@ -37,6 +37,7 @@ from autotune.counterfactual import CostModel, arm_rewards
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from autotune.rewards import RewardModel, cost_key, is_sampled
 from autotune.rewards import calibrate as calibrate_costs
+from autotune.saving import BackgroundSaver
 from engine import (
     MAX_K,
     OFF,
@@ -254,6 +255,7 @@ class AutotuneController:
         self.engine_lock = threading.Lock()
         self._updates = 0
         self._dirty: set[str] = set()
+        self._saver = BackgroundSaver(store) if store is not None else None
         self.coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
         self.mix_classes = mix_classes
         self.continuous = continuous
@@ -622,31 +624,29 @@ class AutotuneController:
 
     # ----- persistence ---------------------------------------------------------------------
     def _save_periodically(self) -> None:
-        """Every `save_every` updates (the policy lock held), save what was learned. A store that
-        cannot take it now (locked past its timeout, a database server gone) must not fail the
-        request whose update came due: its keys stay dirty, so the next save or `close` writes
-        them, and the failure is logged."""
-        if self.store is None or self._updates % self.save_every:
-            return
-        try:
-            self._save_locked()
-        except Exception as exc:
-            logger.warning("the policy state could not be saved (kept, saved again later): %s", exc)
+        """Every `save_every` updates (the policy lock held), hand what was learned to the saver,
+        which writes it off the request path (autotune/saving.py): a database that is locked or
+        gone delays no request, and what it could not take is written with the next save."""
+        if self._saver is not None and self._updates % self.save_every == 0:
+            self._saver.submit(self._snapshot())
 
-    def _save_locked(self) -> None:
+    def _snapshot(self) -> dict:
+        """What was learned since the last snapshot, copied (the policy lock held)."""
         state = self.policy.state_dict()
         keys = sorted(self._dirty | {key for key in state if "@" not in key})  # policy-wide: e.g. contextual's history
-        self.store.save_policy_states({
+        self._dirty.clear()
+        return copy.deepcopy({
             self.policy.name: {key: state[key] for key in keys if key in state},
             SERVED_POLICY: {key: {"served": self._served[key]} for key in keys if key in self._served},
             COSTS_POLICY: self.rewards.state_dict(),
         })
-        self._dirty.clear()
 
     def save(self) -> None:
-        if self.store is not None:
+        """Write what was learned now; raises the store's error if it cannot (kept for the next save)."""
+        if self._saver is not None:
             with self.policy_lock:
-                self._save_locked()
+                self._saver.submit(self._snapshot())
+            self._saver.flush()
 
     def close(self) -> None:
         """Let requests in flight from `agenerate` finish, and the batch being served learn from

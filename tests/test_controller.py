@@ -103,10 +103,10 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
 
 
-def test_a_store_that_cannot_save_now_fails_no_request_and_is_written_later(engine, tmp_path, monkeypatch, caplog):
+def test_a_store_that_cannot_save_now_fails_no_request_and_is_written_later(engine, tmp_path, monkeypatch):
     """A save comes due inside a request's update; a store locked past its timeout (or a database
-    server gone) used to fail that request. Now the request is served, the failure logged, and
-    what was learned saved at the next save that works."""
+    server gone) fails no request: what was learned stays pending, and the next save that works
+    writes it."""
     from sqlalchemy.exc import OperationalError
 
     def locked(*args, **kwargs):
@@ -117,9 +117,33 @@ def test_a_store_that_cannot_save_now_fails_no_request_and_is_written_later(engi
         with monkeypatch.context() as busy:
             busy.setattr(store, "save_policy_states", locked)
             results = [ctl.generate(p, request_class="code", max_new_tokens=8) for p in PROMPTS[:3]]
+            with pytest.raises(OperationalError):
+                ctl.save()  # an explicit save says the database refused it
+            assert store.load_policy_states("ucb") == {}
         assert [len(r.tokens) for r in results] == [8, 8, 8]
-        assert "the policy state could not be saved (kept, saved again later)" in caplog.text
-        assert store.load_policy_states("ucb") == {}
+        ctl.close()
+        assert store.load_policy_states("ucb")["code@load1"] == ctl.policy.state_dict()["code@load1"]
+
+
+def test_a_save_that_hangs_delays_no_request(engine, tmp_path, monkeypatch):
+    """Saves run off the request path: while one is stuck in the database (another process holding
+    its lock), requests whose updates come due are served and learned from, and the state they
+    taught is written once the database answers."""
+    started, release = threading.Event(), threading.Event()
+    with Store(f"sqlite:///{tmp_path / 'slow.db'}") as store:
+        save = store.save_policy_states
+
+        def stuck(states):
+            started.set()
+            release.wait(60)
+            save(states)
+
+        monkeypatch.setattr(store, "save_policy_states", stuck)
+        ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("ngram", 3)], save_every=1)
+        results = [ctl.generate(p, request_class="code", max_new_tokens=8) for p in PROMPTS[:4]]
+        assert started.is_set() and not release.is_set()  # served while the first save hangs
+        assert [len(r.tokens) for r in results] == [8] * 4
+        release.set()
         ctl.close()
         assert store.load_policy_states("ucb")["code@load1"] == ctl.policy.state_dict()["code@load1"]
 
