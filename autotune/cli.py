@@ -63,7 +63,7 @@ def _existing_store(url: str | None):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.exists():
             raise StoreError(f"no store at {path}; run `autotune demo` or pass --db URL")
-    return Store(url)
+    return Store(url, read_only=True)
 
 
 def cmd_demo(args) -> None:

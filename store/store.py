@@ -130,19 +130,21 @@ def _enter_wal(cursor: sqlite3.Cursor) -> None:
             time.sleep(random.uniform(0.005, 0.05))
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, read_only: bool = False) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        _enter_wal(cur)
-        cur.execute("PRAGMA synchronous = NORMAL")
+        if not read_only:
+            _enter_wal(cur)
+            cur.execute("PRAGMA synchronous = NORMAL")
         cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")  # take the write lock up front: no upgrade deadlock
+        # take the write lock up front: no upgrade deadlock (a reader takes none)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
 @dataclass(frozen=True)
@@ -159,23 +161,28 @@ class ArmStats:
 class Store:
     """Open (or create) the database at `url`; use as a context manager or call close()."""
 
-    def __init__(self, url: str | None = None, label: str = "", queue_size: int = 10_000) -> None:
+    def __init__(self, url: str | None = None, label: str = "", queue_size: int = 10_000,
+                 read_only: bool = False) -> None:
         self.url = url or default_url()
+        self.read_only = read_only  # reads only (`autotune inspect`): a file it cannot write opens too
         path = _sqlite_path(self.url)
         if path is not None:
             _check_sqlite_file(path)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            if not read_only:
+                path.parent.mkdir(parents=True, exist_ok=True)
+        engine_url = f"sqlite:///file:{path}?mode=ro&uri=true" if read_only and path is not None else self.url
         try:
-            self.engine = create_engine(self.url)
+            self.engine = create_engine(engine_url)
         except Exception as exc:  # bad URL, missing driver
             raise StoreError(f"cannot open store {self.url!r}: {exc}") from exc
         if self.engine.dialect.name == "sqlite":
-            _configure_sqlite(self.engine)
+            _configure_sqlite(self.engine, read_only)
         self.run_id = uuid.uuid4().hex
         try:
             self._init_schema()
-            with self.engine.begin() as conn:
-                conn.execute(insert(Run).values(id=self.run_id, started_at=time.time(), label=label))
+            if not read_only:
+                with self.engine.begin() as conn:
+                    conn.execute(insert(Run).values(id=self.run_id, started_at=time.time(), label=label))
         except (DatabaseError, OperationalError) as exc:
             raise StoreError(_cannot_open(self.url, exc)) from exc
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
@@ -192,6 +199,8 @@ class Store:
             tables = set(inspect(conn).get_table_names())
             present = tables & OUR_TABLES
             _refuse_foreign(self.url, tables)
+            if not present and self.read_only:
+                raise StoreError(f"{self.url} holds no autotune store")
             if not present:
                 Base.metadata.create_all(conn)
                 conn.execute(insert(Meta).values(key="schema_version", value=str(SCHEMA_VERSION)))
@@ -209,6 +218,11 @@ class Store:
                     f"{self.url} has schema version {version}, newer than this autotune supports"
                     f" ({SCHEMA_VERSION}); upgrade autotune. The database was left untouched."
                 )
+            if version < SCHEMA_VERSION and self.read_only:
+                raise StoreError(f"{self.url} has schema version {version}, older than this autotune's"
+                                 f" ({SCHEMA_VERSION}): open it writable once (any command but inspect) to upgrade")
+            if self.read_only:
+                return
             while version < SCHEMA_VERSION:
                 if version not in MIGRATIONS:
                     raise StoreError(f"{self.url}: no migration from schema version {version}")
@@ -218,8 +232,13 @@ class Store:
             Base.metadata.create_all(conn)  # tables added without a version change
 
     # ----- writes -------------------------------------------------------------------------
+    def _writable(self) -> None:
+        if self.read_only:
+            raise StoreError(f"{self.url} was opened read-only: it writes nothing")
+
     def record(self, **observation) -> None:
         """Queue one observation for the background writer (blocks only if the queue is full)."""
+        self._writable()
         observation.setdefault("created_at", time.time())
         observation.setdefault("run_id", self.run_id)
         self._queue.put(observation)
@@ -305,6 +324,7 @@ class Store:
         restarted controller) sees all of a save or none of it, and one transaction per class
         took 0.65 ms each, 17 ms for the 25 classes a controller may save at once, holding its
         policy lock. Returns the version saved, {policy: {class: version}}."""
+        self._writable()
         saved: dict[str, dict[str, int]] = {}
         with self.engine.begin() as conn:
             for policy, by_class in states.items():
@@ -360,6 +380,7 @@ class Store:
     # ----- registry ------------------------------------------------------------------------
     def register_model(self, name: str, role: str, content_hash: str, path: str = "", params: int = 0,
                        size_bytes: int = 0) -> None:
+        self._writable()
         with self.engine.begin() as conn:
             exists = conn.execute(
                 select(ModelRecord.id).where(ModelRecord.name == name, ModelRecord.content_hash == content_hash)

@@ -291,3 +291,24 @@ def test_another_applications_database_is_refused_untouched(tmp_path):
     assert foreign.read_bytes() == before
     with sqlite3.connect(foreign) as db:
         assert [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["customers"]
+
+
+def test_a_store_opened_read_only_reads_and_changes_nothing(tmp_path):
+    """`autotune inspect` opens its store read-only (SQLite's mode=ro, no WAL switch, no run row),
+    so it reads a file it could not write, and leaves the file as it was."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with Store(url) as store:
+        store.save_policy_states({"ucb": {"code@load1": {"n": 3}}})
+        store.record(request_class="code", arm="off", prompt_tokens=4, new_tokens=8, goodput=100.0)
+    before = (tmp_path / "r.db").read_bytes()
+    with Store(url, read_only=True) as reader:
+        assert reader.load_policy_states("ucb") == {"code@load1": {"n": 3}} and reader.count() == 1
+        with pytest.raises(StoreError, match="read-only"):
+            reader.save_policy_states({"ucb": {"code@load1": {"n": 4}}})
+        with pytest.raises(StoreError, match="read-only"):
+            reader.record(request_class="code", arm="off", prompt_tokens=1, new_tokens=1, goodput=1.0)
+    assert (tmp_path / "r.db").read_bytes() == before
+    result = subprocess.run([sys.executable, "-m", "autotune.cli", "inspect", "--db", url], capture_output=True,
+                            text=True)
+    assert result.returncode == 0 and "policy: ucb   observations: 1" in result.stdout, result.stderr
+    assert (tmp_path / "r.db").read_bytes() == before
