@@ -278,19 +278,19 @@ def _bench_clients(args, engine, bench) -> dict:
     return run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2)
 
 
-def _every_arm(args, engine, ks) -> list:
+def _every_arm(engine, ks) -> list:
     from engine import Arm
 
     return [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
 
 
 def _bench_replay(args, engine, bench) -> dict:
-    arms = _every_arm(args, engine, (2, 4) if args.quick else (1, 2, 4, 8))
+    arms = _every_arm(engine, (2, 4) if args.quick else (1, 2, 4, 8))
     return bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
 
 
 def _bench_arms(args, engine, bench) -> dict:
-    arms = _every_arm(args, engine, (2, 4) if args.quick else bench.BENCH_KS)
+    arms = _every_arm(engine, (2, 4) if args.quick else bench.BENCH_KS)
     return bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
                             32 if args.quick else None, batch=args.batch)
 
@@ -319,7 +319,7 @@ def _bench_controller(args, engine, bench) -> dict:
     for size in sorted({1, args.burst_size} if bursts else {1}):
         if size not in truth:
             print(f"measuring ground truth per class first (bench arms --batch {size})")
-            truth[size] = bench.bench_arms(engine, classes, _every_arm(args, engine, bench.BENCH_KS),
+            truth[size] = bench.bench_arms(engine, classes, _every_arm(engine, bench.BENCH_KS),
                                            2 if args.quick else args.prompts, batch=size)
     names = list(classes)
     n = 40 if args.quick else args.requests or 160

@@ -76,7 +76,7 @@ class PendingRequest:
     """A request checked and classified, waiting to be served (alone, or in a coalesced batch)."""
 
     ids: list[int]
-    request_class: str
+    request_class: str | None  # None only until the classifier names it
     classified: bool  # the classifier named its class (the caller gave none)
     max_new_tokens: int
     sampling: SamplingParams
@@ -400,11 +400,13 @@ class AutotuneController:
     def _pending(self, ids: list[list[int]], request_class: str | None, max_new_tokens: int,
                  sampling: list[SamplingParams], streamers: list, arrived: float) -> list[PendingRequest]:
         """Requests of one class to serve; without a label, the classifier's class for the first."""
-        classified = request_class is None
-        if classified:
-            request_class = self._classify(request_features(ids[0], max_new_tokens, sampling[0]))
-        return [PendingRequest(one, request_class, classified, max_new_tokens, sp, streamer, arrived)
-                for one, sp, streamer in zip(ids, sampling, streamers, strict=True)]
+        requests = [PendingRequest(one, request_class, request_class is None, max_new_tokens, sp, streamer, arrived)
+                    for one, sp, streamer in zip(ids, sampling, streamers, strict=True)]
+        if request_class is None:  # features computed once: the policy's context reads them too
+            named = self._classify(requests[0].features)
+            for request in requests:
+                request.request_class = named
+        return requests
 
     def _classify(self, features: dict) -> str:
         return self.classifier.predict_one(features) if self.classifier else DEFAULT_CLASS

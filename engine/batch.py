@@ -487,6 +487,10 @@ class BatchRun:
         # per round, so committed / row_rounds is a round's gain over OFF; row_rounds / rounds, the mean load).
         self.committed = 0
         self.row_rounds = 0
+        # This round's, for `accepted`: where the verify's slots begin in the target's cache (set by
+        # `verify`), and which rows took the model's drafts, not lookup's (set by `draft`).
+        self.first_slot = 0
+        self.from_model: list[bool] = []
         self.started = clock()
         self._set_arm(drafter, k)
 
