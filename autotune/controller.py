@@ -11,9 +11,10 @@ Requests also score every other arm by replaying the output (exact when greedy, 
 when sampled): a key's first request, then only within a small share of the serving time (a
 replay costs a teacher-forced forward per model, plus one of the target when sampled, so
 replaying every request would cost more than it teaches once the class has settled; a new class
-already starts from what the other classes learned). What the policy learned is saved to the
-store every `save_every` requests and on close, and loaded again on start, so a restarted
-controller resumes without re-exploring.
+already starts from what the other classes learned). Every update the policy learns from is
+journaled in the store with the observations (learning.py), checkpointed every `save_every`
+updates and on close, and folded again on start, so a restarted controller, even one killed,
+resumes without re-exploring, and controllers sharing a store add up what they learn.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch, Coalescer
 from autotune.continuous import ContinuousBatch
 from autotune.counterfactual import CostModel, arm_rewards
+from autotune.learning import SharedLearning
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from autotune.rewards import RewardModel, cost_key, is_sampled
 from autotune.rewards import calibrate as calibrate_costs
@@ -255,7 +257,11 @@ class AutotuneController:
         self.engine_lock = threading.Lock()
         self._updates = 0
         self._dirty: set[str] = set()
-        self._saver = BackgroundSaver(store) if store is not None else None
+        # Learning policies journal every update (learning.py): it survives kill -9, and replicas on
+        # one store add up what they learn.
+        self.learning = SharedLearning(store, self.policy) if store is not None and self.policy.learns else None
+        sync = functools.partial(self.learning.sync, self.policy_lock) if self.learning else lambda: None
+        self._saver = BackgroundSaver(store, sync) if store is not None else None
         self.coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
         self.mix_classes = mix_classes
         self.continuous = continuous
@@ -275,7 +281,8 @@ class AutotuneController:
         if store is not None:
             for record in engine.model_records:
                 store.register_model(**record)
-            self.policy.load_state_dict(store.load_policy_states(self.policy.name))
+            if self.learning is not None:
+                self.learning.resume()
             self._served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.rewards.load_state_dict(store.load_policy_states(COSTS_POLICY))
         if calibrate and self.policy.learns:
@@ -543,11 +550,8 @@ class AutotuneController:
         arms not played; those estimates."""
         others = self._other_arms(context, arm, reward, schedule, requests, results, served, costs)
         with self.policy_lock:
-            self.policy.update(context, arm, Outcome(served.tokens_per_s, reward, served.acceptance,
-                                                     served.new_tokens, others))
-            self._dirty.add(context.key)
-            self._updates += 1
-            self._save_periodically()
+            self._update(context, arm,
+                         Outcome(served.tokens_per_s, reward, served.acceptance, served.new_tokens, others))
         return {name: estimate for name, (estimate, _) in others.items()}
 
     def _other_arms(self, context: Context, arm: Arm, reward: float, schedule, requests: list[PendingRequest],
@@ -604,11 +608,17 @@ class AutotuneController:
             costs = self.rewards.costs_for(context.load, is_sampled(context))
             siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
                                        functools.partial(costs.draft_cost, arm.drafter))
-            self.policy.update(context, arm, Outcome(gain * row_rounds / taken if taken > 0 else 0.0, reward,
-                                                     done.acceptance, done.new_tokens, siblings))
-            self._dirty.add(context.key)
-            self._updates += 1
-            self._save_periodically()
+            self._update(context, arm, Outcome(gain * row_rounds / taken if taken > 0 else 0.0, reward,
+                                               done.acceptance, done.new_tokens, siblings))
+
+    def _update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
+        """Teach the policy, journal the update, and save now and then (the policy lock held)."""
+        self.policy.update(context, arm, outcome)
+        if self.learning is not None:
+            self.learning.add(context, arm, outcome)
+        self._dirty.add(context.key)
+        self._updates += 1
+        self._save_periodically()
 
     def _record(self, result: ControlledResult, request: PendingRequest) -> None:
         m = result.metrics
@@ -633,22 +643,25 @@ class AutotuneController:
             self._saver.submit(self._snapshot())
 
     def _snapshot(self) -> dict:
-        """What was learned since the last snapshot, copied (the policy lock held)."""
-        state = self.policy.state_dict()
-        keys = sorted(self._dirty | {key for key in state if "@" not in key})  # policy-wide: e.g. contextual's history
+        """The requests served per key and the cost model since the last snapshot, copied (the
+        policy lock held); the policy's own state is saved by its journal's checkpoints."""
+        keys = sorted(self._dirty)
         self._dirty.clear()
         return copy.deepcopy({
-            self.policy.name: {key: state[key] for key in keys if key in state},
             SERVED_POLICY: {key: {"served": self._served[key]} for key in keys if key in self._served},
             COSTS_POLICY: self.rewards.state_dict(),
         })
 
     def save(self) -> None:
-        """Write what was learned now; raises the store's error if it cannot (kept for the next save)."""
+        """Write what was learned now, a checkpoint of the policy through every update journaled;
+        raises the store's error if it cannot (kept for the next save)."""
         if self._saver is not None:
             with self.policy_lock:
                 self._saver.submit(self._snapshot())
-            self._saver.flush()
+            try:
+                self.store.flush()  # the journal written, so that the checkpoint reaches every update
+            finally:
+                self._saver.flush()
 
     def close(self) -> None:
         """Let requests in flight from `agenerate` finish, and the batch being served learn from

@@ -5,13 +5,15 @@ or locked by another process, and stall every request behind it. Instead the req
 takes a snapshot (under the lock, in memory) and hands it over; one thread writes it. Snapshots not yet
 written merge (a key's newest state wins), so a slow database is written the latest state, not
 a backlog. A save the database refuses is logged and merged back under anything newer, and
-written with the next one; `flush` writes what is pending now and raises if it cannot.
+written with the next one; `flush` writes what is pending now and raises if it cannot. After
+each save the thread runs `sync` (the policy's journal: autotune/learning.py).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +28,12 @@ def _merge(older: Snapshot, newer: Snapshot) -> Snapshot:
 
 
 class BackgroundSaver:
-    """Writes snapshots to `store` on a thread of its own (started on the first `submit`)."""
+    """Writes snapshots to `store` on a thread of its own (started on the first `submit`), then
+    calls `sync`."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, sync: Callable[[], object] = lambda: None) -> None:
         self.store = store
+        self.sync = sync
         self._pending: Snapshot = {}
         self._cv = threading.Condition()
         self._writing = False
@@ -55,6 +59,7 @@ class BackgroundSaver:
         try:
             if snapshot:
                 self.store.save_policy_states(snapshot)
+            self.sync()
         except BaseException:
             self._restore(snapshot)
             raise
@@ -72,6 +77,7 @@ class BackgroundSaver:
                 self._writing = True
             try:
                 self.store.save_policy_states(snapshot)
+                self.sync()
             except Exception as exc:  # a locked or gone database: kept, written with the next save
                 logger.warning("the policy state could not be saved (kept, saved again later): %s", exc)
                 self._restore(snapshot)

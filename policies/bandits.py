@@ -270,7 +270,15 @@ class BanditPolicy(Policy):
         return lower >= 1.0 or table.margin + lower - (1.0 - self.safety) >= 0.0
 
     def _guard(self, table: ArmTable) -> Arm | None:
-        table.guarded = False
+        """OFF (or, at `probe_rate`, the best speculative arm) where the guard holds the key at OFF."""
+        best = self._guarded_best(table)
+        table.guarded = best is not None
+        if best is None:
+            return None
+        return self.by_name[best] if self.rng.random() < self.probe_rate else OFF
+
+    def _guarded_best(self, table: ArmTable) -> str | None:
+        """The best speculative arm where even its upper bound is slower than OFF; else None."""
         if not self.guard:
             return None
         spec = [a for a in self.arm_names if a != str(OFF)]
@@ -279,10 +287,7 @@ class BanditPolicy(Policy):
         sd = math.sqrt(table.pooled_variance())
         best = max(spec, key=table.mean)
         upper = table.mean(best) + self.guard_z * sd / math.sqrt(table.n(best))
-        if upper >= table.mean(str(OFF)):
-            return None
-        table.guarded = True
-        return self.by_name[best] if self.rng.random() < self.probe_rate else OFF
+        return best if upper < table.mean(str(OFF)) else None
 
     def _pick(self, table: ArmTable) -> str:
         raise NotImplementedError
@@ -302,14 +307,16 @@ class BanditPolicy(Policy):
             earned = 1.0 if arm.is_off else outcome.reward
             table.margin = table.margin * self.discount + earned - (1.0 - self.safety)
         self._load_totals(load)  # if summed afresh, now: after the request was served, not in the next decision
+        # Whether the guard holds the key at OFF, as the next decision will find it: part of what
+        # was learned, so a fold of the journal (learning.py) and `inspect` see it too.
+        table.guarded = self._guarded_best(self._with_shared_prior(context, table)) is not None
 
     # ----- persistence --------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict]:
         return {key: table.to_dict() for key, table in self.tables.items()}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
-        for key, table_state in state.items():
-            self.tables[key] = ArmTable.from_dict(self.arm_names, table_state)
+        self.tables = {key: ArmTable.from_dict(self.arm_names, table_state) for key, table_state in state.items()}
         self._totals.clear()
 
 

@@ -77,4 +77,4 @@ class Policy(ABC):
         return {}
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
-        pass
+        """Replace what was learned with `state` (as `state_dict` gave it)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 class Base(DeclarativeBase):
@@ -91,6 +91,39 @@ class PolicyState(Base):
     state: Mapped[dict] = mapped_column(JSON)
 
 
+class PolicyUpdate(Base):
+    """One update a controller taught its policy, journaled with the observations: what a policy
+    learned is the fold of these in id order, so it survives any crash the observations survive,
+    and several controllers on one store add up their evidence (autotune/learning.py)."""
+
+    __tablename__ = "autotune_policy_updates"
+    __table_args__ = (Index("ix_updates_policy", "policy", "id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(32))
+    seq: Mapped[int] = mapped_column(Integer)  # the run's own count of its updates, from 1
+    created_at: Mapped[float] = mapped_column(Float)
+    policy: Mapped[str] = mapped_column(String(64))
+    request_class: Mapped[str] = mapped_column(String(128))
+    load: Mapped[int] = mapped_column(Integer)
+    features: Mapped[dict] = mapped_column(JSON, default=dict)
+    arm: Mapped[str] = mapped_column(String(64))
+    goodput: Mapped[float] = mapped_column(Float)
+    reward: Mapped[float] = mapped_column(Float)
+    acceptance: Mapped[float | None] = mapped_column(Float, nullable=True)
+    new_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    siblings: Mapped[dict] = mapped_column(JSON, default=dict)  # {arm: [estimated reward, weight]}
+
+
+class PolicyCheckpoint(Base):
+    """How far into the journal a policy's saved states reach: they are the fold of its updates
+    with id <= `through`, so a resume folds only the updates after it."""
+
+    __tablename__ = "autotune_policy_checkpoints"
+    policy: Mapped[str] = mapped_column(String(64), primary_key=True)
+    through: Mapped[int] = mapped_column(Integer)
+    saved_at: Mapped[float] = mapped_column(Float)
+
+
 OUR_TABLES = {t.name for t in Base.metadata.sorted_tables}
 
 
@@ -110,6 +143,13 @@ def _add_finish_reason(conn) -> None:
                       f" {column.type.compile(conn.dialect)}"))
 
 
+def _add_policy_journal(conn) -> None:
+    """3 -> 4: the journal of policy updates and its checkpoints (states saved before it resume
+    as a checkpoint through 0)."""
+    PolicyUpdate.__table__.create(conn, checkfirst=True)
+    PolicyCheckpoint.__table__.create(conn, checkfirst=True)
+
+
 # version -> function(connection) that upgrades a database from that version to the next, inside
 # the transaction that opens the store: a crash midway leaves the old version intact.
-MIGRATIONS: dict = {1: _add_queue_and_stream_error, 2: _add_finish_reason}
+MIGRATIONS: dict = {1: _add_queue_and_stream_error, 2: _add_finish_reason, 3: _add_policy_journal}

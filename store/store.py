@@ -1,8 +1,9 @@
 """The store: observations, policy state, model registry and tuning studies in one database.
 
 SQLite by default (WAL, busy timeout, BEGIN IMMEDIATE so concurrent writers queue instead
-of failing), any SQLAlchemy URL otherwise. Observations are written by a background thread
-in batches, so `record()` only enqueues; `flush()` and `close()` write everything.
+of failing), any SQLAlchemy URL otherwise. Observations and the journal of policy updates are
+written by a background thread in batches, so `record()` and `record_update()` only enqueue;
+`flush()` and `close()` write everything.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from store.schema import (
     Meta,
     ModelRecord,
     Observation,
+    PolicyCheckpoint,
     PolicyState,
+    PolicyUpdate,
     Run,
 )
 
@@ -93,6 +96,16 @@ def _cannot_open(url: str, exc: DatabaseError) -> str:
     return f"cannot open store {url}: {reason}"
 
 
+def _cannot_write(url: str, doing: str, exc: DatabaseError) -> str:
+    reason = str(getattr(exc, "orig", exc))
+    if "full" in reason.lower():  # SQLite's SQLITE_FULL; PostgreSQL's "could not extend file ... No space left"
+        return (f"{url}: the disk (or the database's size limit) is full ({reason}) while {doing}; nothing of it"
+                " was written: free space and save again")
+    if "No space left" in reason:
+        return f"{url}: no space left on the database server's disk ({reason}) while {doing}"
+    return f"{url}: {doing} failed: {reason}"
+
+
 def _refuse_foreign(where: str, tables: set[str]) -> None:
     """Refuse a database that holds another application's tables and none of autotune's."""
     foreign = sorted(t for t in tables - OPTUNA_TABLES if not t.startswith("sqlite_"))
@@ -110,6 +123,14 @@ def _is_json(value: str | None) -> bool:
 
 
 BUSY_TIMEOUT_S = 60.0
+# SQLite's BEGIN IMMEDIATE serializes writers; on PostgreSQL, writers of the journal and of policy
+# states each take a transaction-scoped advisory lock of their own. The journal's: PostgreSQL hands
+# out ids when rows are inserted, not when they commit, so a reader could see id 7 before id 6
+# commits and fold past 6 for good. The states': versions are read, then written one past
+# (4 writers on PostgreSQL collided on a version without it).
+# Creating or upgrading the schema takes a third: several processes opening a new database at once
+# collided creating its tables.
+JOURNAL_LOCK, STATES_LOCK, SCHEMA_LOCK = 0x6A6F75, 0x636B70, 0x736368
 
 
 def _enter_wal(cursor: sqlite3.Cursor) -> None:
@@ -196,6 +217,8 @@ class Store:
     # ----- schema -------------------------------------------------------------------------
     def _init_schema(self) -> None:
         with self.engine.begin() as conn:
+            if not self.read_only:
+                self._advisory_lock(conn, SCHEMA_LOCK)
             tables = set(inspect(conn).get_table_names())
             present = tables & OUR_TABLES
             _refuse_foreign(self.url, tables)
@@ -238,10 +261,17 @@ class Store:
 
     def record(self, **observation) -> None:
         """Queue one observation for the background writer (blocks only if the queue is full)."""
+        self._enqueue(Observation, observation)
+
+    def record_update(self, **update) -> None:
+        """Queue one policy update for the journal, written in order with the observations."""
+        self._enqueue(PolicyUpdate, update)
+
+    def _enqueue(self, table, row: dict) -> None:
         self._writable()
-        observation.setdefault("created_at", time.time())
-        observation.setdefault("run_id", self.run_id)
-        self._queue.put(observation)
+        row.setdefault("created_at", time.time())
+        row.setdefault("run_id", self.run_id)
+        self._queue.put((table, row))
 
     def _write_loop(self) -> None:
         while True:
@@ -266,24 +296,45 @@ class Store:
             if stop:
                 return
 
-    def _insert(self, batch: list[dict]) -> None:
-        """One transaction for the batch; if the database refuses it, one per row, so that a row
-        it cannot take (a value out of its column's range, a column it lacks) costs only itself,
-        not the rows queued beside it, and the writer lives on to write the next ones."""
+    def _insert(self, batch: list[tuple]) -> None:
+        """One transaction for the batch of (table, row); if the database refuses it, one per row,
+        so that a row it cannot take (a value out of its column's range, a column it lacks) costs
+        only itself, not the rows queued beside it, and the writer lives on to write the next ones."""
         if not batch:
             return
         try:
             with self.engine.begin() as conn:
-                conn.execute(insert(Observation), batch)
+                for table in (Observation, PolicyUpdate):
+                    rows = [row for t, row in batch if t is table]
+                    if rows:
+                        self._lock_journal(conn, table)
+                        conn.execute(insert(table), rows)
         except Exception:  # some row it cannot take: write the others
-            for row in batch:
+            for table, row in batch:
                 try:
                     with self.engine.begin() as conn:
-                        conn.execute(insert(Observation), [row])
+                        self._lock_journal(conn, table)
+                        conn.execute(insert(table), [row])
                 except Exception as exc:
                     with self._unreported_lock:
                         self.dropped += 1
                         self._unreported = ((self._unreported[0] if self._unreported else 0) + 1, exc)
+
+    @contextlib.contextmanager
+    def _writing(self, doing: str):
+        """A database error while `doing` becomes a StoreError that names it (a full disk, say)."""
+        try:
+            yield
+        except (DatabaseError, OperationalError) as exc:
+            raise StoreError(_cannot_write(self.url, doing, exc)) from exc
+
+    def _lock_journal(self, conn, table) -> None:
+        if table is PolicyUpdate:
+            self._advisory_lock(conn, JOURNAL_LOCK)
+
+    def _advisory_lock(self, conn, key: int) -> None:
+        if self.engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": key})
 
     def flush(self) -> None:
         """Block until every recorded observation is written; raise once for the observations
@@ -325,26 +376,31 @@ class Store:
         took 0.65 ms each, 17 ms for the 25 classes a controller may save at once, holding its
         policy lock. Returns the version saved, {policy: {class: version}}."""
         self._writable()
+        with self._writing("saving policy states"), self.engine.begin() as conn:
+            self._advisory_lock(conn, STATES_LOCK)
+            return self._save_states(conn, states, keep)
+
+    @staticmethod
+    def _save_states(conn, states: dict[str, dict[str, dict]], keep: int) -> dict[str, dict[str, int]]:
         saved: dict[str, dict[str, int]] = {}
-        with self.engine.begin() as conn:
-            for policy, by_class in states.items():
-                if not by_class:
-                    continue
-                last = dict(conn.execute(
-                    select(PolicyState.request_class, func.max(PolicyState.version))
-                    .where(PolicyState.policy == policy, PolicyState.request_class.in_(list(by_class)))
-                    .group_by(PolicyState.request_class)
-                ).all())
-                versions = saved[policy] = {key: last.get(key, 0) + 1 for key in by_class}
-                now = time.time()
-                conn.execute(insert(PolicyState), [
-                    {"policy": policy, "request_class": key, "version": versions[key], "saved_at": now, "state": state}
-                    for key, state in by_class.items()])
-                for key, version in versions.items():
-                    conn.execute(PolicyState.__table__.delete().where(
-                        PolicyState.policy == policy, PolicyState.request_class == key,
-                        PolicyState.version <= version - keep,
-                    ))
+        for policy, by_class in states.items():
+            if not by_class:
+                continue
+            last = dict(conn.execute(
+                select(PolicyState.request_class, func.max(PolicyState.version))
+                .where(PolicyState.policy == policy, PolicyState.request_class.in_(list(by_class)))
+                .group_by(PolicyState.request_class)
+            ).all())
+            versions = saved[policy] = {key: last.get(key, 0) + 1 for key in by_class}
+            now = time.time()
+            conn.execute(insert(PolicyState), [
+                {"policy": policy, "request_class": key, "version": versions[key], "saved_at": now, "state": state}
+                for key, state in by_class.items()])
+            for key, version in versions.items():
+                conn.execute(PolicyState.__table__.delete().where(
+                    PolicyState.policy == policy, PolicyState.request_class == key,
+                    PolicyState.version <= version - keep,
+                ))
         return saved
 
     def load_policy_states(self, policy: str) -> dict[str, dict]:
@@ -370,6 +426,41 @@ class Store:
             raise StoreError(f"{self.url}: the saved state of policy {policy!r} for {', '.join(bad[:5])} is not"
                              f" valid JSON ({exc}); delete those rows to start them afresh") from exc
 
+    # ----- the journal of policy updates and its checkpoints ---------------------------------
+    def policy_updates(self, policy: str, after: int = 0, limit: int | None = None) -> list[dict]:
+        """Journaled updates of `policy` with id > `after`, oldest first."""
+        query = select(*PolicyUpdate.__table__.c).where(PolicyUpdate.policy == policy, PolicyUpdate.id > after)
+        query = query.order_by(PolicyUpdate.id).limit(limit)
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(query)]
+
+    def load_checkpoint(self, policy: str) -> tuple[dict[str, dict], int]:
+        """The newest saved state of `policy` per key and the journal id it reaches (0: none, or
+        states saved before the journal: resumed as they are, the journal folded on top)."""
+        with self.engine.connect() as conn:
+            through = conn.execute(select(PolicyCheckpoint.through).where(PolicyCheckpoint.policy == policy)).scalar()
+        return self.load_policy_states(policy), through or 0
+
+    def save_checkpoint(self, policy: str, states: dict[str, dict], through: int, keep: int = 200) -> bool:
+        """Save `states` (the keys that changed) as the fold of the journal through id `through`,
+        in one transaction, unless a checkpoint reaching as far or further was saved meanwhile
+        (by another controller): then nothing is written and this returns False. Checkpoints
+        only move forward, so a resume never folds an update twice."""
+        self._writable()
+        with self._writing("saving a checkpoint"), self.engine.begin() as conn:
+            self._advisory_lock(conn, STATES_LOCK)
+            saved = conn.execute(select(PolicyCheckpoint.through).where(PolicyCheckpoint.policy == policy)).scalar()
+            if saved is not None and saved >= through:
+                return False
+            self._save_states(conn, {policy: states}, keep)
+            values = {"through": through, "saved_at": time.time()}
+            if saved is None:
+                conn.execute(insert(PolicyCheckpoint).values(policy=policy, **values))
+            else:
+                conn.execute(PolicyCheckpoint.__table__.update()
+                             .where(PolicyCheckpoint.policy == policy).values(**values))
+        return True
+
     def policy_history(self, policy: str | None = None) -> list[dict]:
         query = select(*PolicyState.__table__.c).order_by(PolicyState.saved_at)
         if policy is not None:
@@ -381,7 +472,7 @@ class Store:
     def register_model(self, name: str, role: str, content_hash: str, path: str = "", params: int = 0,
                        size_bytes: int = 0) -> None:
         self._writable()
-        with self.engine.begin() as conn:
+        with self._writing("registering a model"), self.engine.begin() as conn:
             exists = conn.execute(
                 select(ModelRecord.id).where(ModelRecord.name == name, ModelRecord.content_hash == content_hash)
             ).first()

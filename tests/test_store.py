@@ -26,8 +26,8 @@ def run_python(code: str, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
-    url = f"sqlite:///{tmp_path / 'k.db'}"
+def test_kill_9_mid_stream_loses_nothing_committed(store_url):
+    url = store_url
     child = run_python(f"""
         from store import Store
         s = Store({url!r})
@@ -53,8 +53,8 @@ def test_kill_9_mid_stream_loses_nothing_committed(tmp_path):
     assert set(range(last + 1)) <= seen
 
 
-def test_four_processes_write_concurrently_without_losing_rows(tmp_path):
-    url = f"sqlite:///{tmp_path / 'c.db'}"
+def test_four_processes_write_concurrently_without_losing_rows(store_url):
+    url = store_url
     children = [run_python(f"""
         from store import Store
         with Store({url!r}, label="writer{n}") as s:
@@ -114,8 +114,8 @@ def test_switching_to_wal_waits_out_a_concurrent_switch_but_not_other_errors():
         _enter_wal(FlakyCursor(locked=1, error="disk I/O error"))
 
 
-def test_policy_state_round_trip_resumes_newest_version(tmp_path):
-    url = f"sqlite:///{tmp_path / 'p.db'}"
+def test_policy_state_round_trip_resumes_newest_version(store_url):
+    url = store_url
     with Store(url) as s:
         s.save_policy_state("thompson", "code", {"arms": {"small:4": [3, 1.5]}})
         s.save_policy_state("thompson", "code", {"arms": {"small:4": [4, 1.6]}})
@@ -191,12 +191,16 @@ def test_refuses_a_newer_schema_and_leaves_it_untouched(tmp_path):
 
 
 def older_store(path: Path, version: int) -> None:
-    """A store as schema `version` left it, with one observation: version 2 had no
-    finish_reason, version 1 neither queue_s nor stream_error."""
+    """A store as schema `version` left it, with one observation and a saved policy state:
+    version 3 had no journal of policy updates, version 2 no finish_reason either, version 1
+    neither queue_s nor stream_error."""
     with Store(f"sqlite:///{path}") as s:
         s.record(**obs(7))
-    dropped = {2: ["finish_reason"], 1: ["finish_reason", "queue_s", "stream_error"]}[version]
+        s.save_policy_state("ucb", "code@load1", {"pulls": 3})
+    dropped = {3: [], 2: ["finish_reason"], 1: ["finish_reason", "queue_s", "stream_error"]}[version]
     with sqlite3.connect(path) as conn:
+        conn.execute("DROP TABLE autotune_policy_updates")
+        conn.execute("DROP TABLE autotune_policy_checkpoints")
         for column in dropped:
             conn.execute(f"ALTER TABLE autotune_observations DROP COLUMN {column}")
         conn.execute(f"UPDATE autotune_meta SET value = '{version}' WHERE key = 'schema_version'")
@@ -222,33 +226,27 @@ def test_an_older_schema_is_migrated_in_one_transaction(tmp_path, monkeypatch):
         assert "queue_s" not in columns and "stream_error" not in columns
 
     monkeypatch.setitem(store.schema.MIGRATIONS, 1, migrate)
-    with Store(f"sqlite:///{path}") as s:  # 1 -> 2 -> 3
+    with Store(f"sqlite:///{path}") as s:  # 1 -> 2 -> 3 -> 4
         s.record(**obs(8), queue_s=0.25, stream_error="client went away", finish_reason="abort")
         s.flush()
         old, new = sorted(s.observations(), key=lambda o: o["prompt_tokens"])
     assert (old["prompt_tokens"], old["queue_s"], old["stream_error"], old["finish_reason"]) == (7, 0.0, None, None)
     assert (new["queue_s"], new["stream_error"], new["finish_reason"]) == (0.25, "client went away", "abort")
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("3",)
+        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("4",)
     path = tmp_path / "v2.db"
     older_store(path, 2)
-    with Store(f"sqlite:///{path}") as s:  # 2 -> 3
+    with Store(f"sqlite:///{path}") as s:  # 2 -> 3 -> 4
         s.record(**obs(8), finish_reason="stop")
         s.flush()
         assert [o["finish_reason"] for o in sorted(s.observations(), key=lambda o: o["id"])] == [None, "stop"]
-
-
-def test_postgres_when_a_server_is_available():
-    url = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
-    if not url:
-        pytest.skip("no PostgreSQL server: set AUTOTUNE_TEST_POSTGRES_URL=postgresql+psycopg://... to run")
-    with Store(url) as s:
-        run = s.run_id
-        s.record(**obs(1))
-        s.save_policy_state("ucb", run, {"x": 1})
+    path = tmp_path / "v3.db"
+    older_store(path, 3)
+    with Store(f"sqlite:///{path}") as s:  # 3 -> 4: states saved before the journal resume as a checkpoint through 0
+        assert s.load_checkpoint("ucb") == ({"code@load1": {"pulls": 3}}, 0)
+        s.record_update(policy="ucb", seq=1, request_class="code", load=1, arm="off", goodput=9.0, reward=1.0)
         s.flush()
-        assert s.load_policy_states("ucb")[run] == {"x": 1}
-        assert any(o["run_id"] == run for o in s.observations(last=50))
+        assert [u["arm"] for u in s.policy_updates("ucb")] == ["off"]
 
 
 def _store_error(url: str) -> str:
@@ -312,3 +310,45 @@ def test_a_store_opened_read_only_reads_and_changes_nothing(tmp_path):
                             text=True)
     assert result.returncode == 0 and "policy: ucb   observations: 1" in result.stdout, result.stderr
     assert (tmp_path / "r.db").read_bytes() == before
+
+
+def test_a_full_disk_is_a_store_error_and_loses_nothing_written_before(tmp_path):
+    """SQLite answers a full disk with SQLITE_FULL, as it does past `max_page_count`, which lets the
+    test fill the database without filling a disk."""
+    from sqlalchemy import event
+
+    url = f"sqlite:///{tmp_path / 'full.db'}"
+    with Store(url) as s:
+        s.save_policy_state("ucb", "code", {"v": 1})
+        s.record(**obs(1))
+        s.flush()
+        pages = s.engine.connect().exec_driver_sql("PRAGMA page_count").scalar()
+        s.engine.dispose()
+        event.listen(s.engine, "connect", lambda conn, _: conn.execute(f"PRAGMA max_page_count = {pages}"))
+        with pytest.raises(StoreError, match=r"full\.db: the disk \(or the database's size limit\) is full .*"
+                                             r"while saving policy states"):
+            s.save_policy_state("ucb", "code", {"v": "x" * 100_000})
+        for i in range(2, 400):
+            s.record(**obs(i), features={"pad": "x" * 1000})
+        with pytest.raises(StoreError, match=r"could not be written and were dropped; the last error: .*full"):
+            s.flush()
+        assert s.load_policy_states("ucb") == {"code": {"v": 1}} and 1 in {o["prompt_tokens"] for o in s.observations()}
+
+
+def test_two_tune_processes_add_their_trials_to_one_study(store_url, tmp_path):
+    """`autotune tune` twice at once on one store: both finish, and the class's study holds both
+    processes' trials (Optuna's RDB storage in the store's database)."""
+    import optuna
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "autotune.cli", "tune", "--classes", "code", "--budget", "3", "--prompts", "1",
+               "--no-progress", "--db", store_url]
+    tuners = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    for tuner in tuners:
+        _, err = tuner.communicate(timeout=300)
+        assert tuner.returncode == 0, err
+    study = optuna.load_study(study_name="autotune:code", storage=store_url)
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len(finished) == len(study.trials) == 6
+    assert {"off"} <= {t.params["arm"] for t in finished}

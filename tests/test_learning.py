@@ -1,0 +1,119 @@
+"""What a policy learned survives kill -9, and controllers sharing a store add up their evidence
+(autotune/learning.py), on SQLite and on PostgreSQL."""
+
+import random
+import signal
+import threading
+
+from test_store import run_python
+
+from autotune.learning import SharedLearning, Update
+from engine import OFF, Arm
+from policies import make_policy
+from store import Store
+
+ARMS = [OFF, Arm("small", 2), Arm("ngram", 3)]
+
+# A controller's learning loop without the engine: choose, update, journal, record the
+# observation, sync every 5 updates (as save_every=5 would), as fast as it goes.
+LEARNER = """
+import random, sys, threading
+from autotune.learning import SharedLearning
+from engine import OFF, Arm
+from policies import Context, Outcome, make_policy
+from store import Store
+
+url, updates, seed = {url!r}, {updates}, {seed}
+policy = make_policy("ucb", [OFF, Arm("small", 2), Arm("ngram", 3)])
+store = Store(url)
+learning = SharedLearning(store, policy)
+learning.resume()
+lock, rng = threading.Lock(), random.Random(seed)
+for i in range(updates):
+    context = Context(rng.choice(["code", "chat", "docs"]), rng.choice([1, 3]))
+    with lock:
+        arm = policy.choose(context)
+        outcome = Outcome(100.0, rng.uniform(0.5, 2.0), siblings={{"small:2": (rng.uniform(0.5, 2.0), 0.5)}})
+        policy.update(context, arm, outcome)
+        learning.add(context, arm, outcome)
+    store.record(request_class=context.request_class, arm=str(arm), prompt_tokens=i, new_tokens=1, goodput=1.0)
+    if i % 5 == 4:
+        learning.sync(lock)
+    print("updated", i, flush=True)
+store.flush()
+learning.sync(lock)
+print("pulls", sum(t.pulls for t in policy.tables.values()), flush=True)
+store.close()
+"""
+
+
+def resumed(url: str) -> tuple[dict, int]:
+    """The state a restarted controller resumes (newest checkpoint + the journal after it), and
+    the journal's length."""
+    with Store(url) as store:
+        policy = make_policy("ucb", ARMS)
+        SharedLearning(store, policy).resume()
+        return policy.state_dict(), len(store.policy_updates("ucb"))
+
+
+def replayed(url: str) -> dict:
+    """The state folded from the whole journal, no checkpoint."""
+    with Store(url) as store:
+        policy = make_policy("ucb", ARMS)
+        for row in store.policy_updates("ucb"):
+            update = Update.from_row(row, {str(a): a for a in ARMS})
+            policy.update(update.context, update.arm, update.outcome)
+        return policy.state_dict()
+
+
+def same_learning(a: dict, b: dict) -> bool:
+    """Equal counts, and sums equal up to rounding (folds from different checkpoints round apart)."""
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        if (a[key]["counts"], a[key]["pulls"]) != (b[key]["counts"], b[key]["pulls"]):
+            return False
+        for arm, row in a[key]["rows"].items():
+            if any(abs(x - y) > 1e-9 * max(1.0, abs(x)) for x, y in zip(row, b[key]["rows"][arm])):
+                return False
+    return True
+
+
+def test_killed_at_random_points_a_controller_loses_no_update_it_journaled(store_url):
+    """5 lives of a learner on one store, each killed with SIGKILL at a random point (mid-save,
+    mid-sync, mid-write), each resuming the last: what the last resumes is every journaled update,
+    each counted once, and the journal holds every observation's update."""
+    rng = random.Random(0)
+    for life in range(5):
+        child = run_python(LEARNER.format(url=store_url, updates=10_000, seed=life))
+        stop_after = rng.randint(5, 120)
+        for line in child.stdout:
+            if int(line.split()[1]) >= stop_after:
+                break
+        if rng.random() < 0.5:
+            threading.Event().wait(rng.uniform(0.0, 0.05))  # sometimes mid-update rather than just after one
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    state, journaled = resumed(store_url)
+    with Store(store_url) as store:
+        observations = store.count()
+    assert sum(t["pulls"] for t in state.values()) == journaled
+    assert observations <= journaled <= observations + 5  # a kill between an update and its observation
+    assert journaled >= 5 * 5
+    assert same_learning(state, replayed(store_url))
+
+
+def test_four_controllers_on_one_store_add_up_their_evidence(store_url):
+    """4 learners x 150 updates at once: the resumed state counts all 600 (each key's pulls the
+    journal's), and while they ran they learned from each other (the last to finish had folded
+    all 600 into the policy it serves from)."""
+    children = [run_python(LEARNER.format(url=store_url, updates=150, seed=n)) for n in range(4)]
+    final = []
+    for child in children:
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 0, err
+        final.append(int(out.split()[-1]))
+    state, journaled = resumed(store_url)
+    assert journaled == 600 and sum(t["pulls"] for t in state.values()) == 600
+    assert same_learning(state, replayed(store_url))
+    assert max(final) == 600 and min(final) >= 150
