@@ -7,6 +7,7 @@ unreadable store.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -172,8 +173,8 @@ def cmd_bench(args) -> None:
     where a benchmark's own check of the outputs did."""
     from autotune import bench
 
-    if args.what == "store":
-        result = bench.bench_store(1000 if args.quick else 5000)
+    if args.what in ("store", "durability"):
+        result = _bench_databases(args, bench)
     elif args.what == "decisions":
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
         result = bench.bench_decisions(**steps)
@@ -188,6 +189,21 @@ def cmd_bench(args) -> None:
     _emit(result, args.json)
     if args.what in _FAILURES and (failure := _FAILURES[args.what](result)):
         raise CheckFailed(failure)
+
+
+def _bench_databases(args, bench) -> dict:
+    """`bench store` and `bench durability`, on SQLite and (--postgres) PostgreSQL, fresh stores each."""
+    databases = ["sqlite"] + (["postgresql"] if args.postgres else [])
+    result = {}
+    with bench.fresh_stores(args.postgres) as fresh:
+        for database in databases:
+            if args.what == "store":
+                result[database] = bench.bench_store(fresh(database, "store"), 1000 if args.quick else 5000)
+            else:
+                result[database] = bench.bench_durability(functools.partial(fresh, database),
+                                                          lives=4 if args.quick else 12,
+                                                          requests=10 if args.quick else 30)
+    return result
 
 
 def _show(args, result: dict) -> None:
@@ -486,11 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
-                                            " store, limits, cache, longrun, choices, lengths, chunked, prefix,"
-                                            " concurrency, serve"))
+                                            " store, durability, limits, cache, longrun, choices, lengths, chunked,"
+                                            " prefix, concurrency, serve"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
-                                    "limits", "cache", "longrun", "choices", "lengths", "chunked", "prefix",
-                                    "concurrency", "serve"])
+                                    "durability", "limits", "cache", "longrun", "choices", "lengths", "chunked",
+                                    "prefix", "concurrency", "serve"])
+    p.add_argument("--postgres", metavar="URL", help="bench store, durability: also on fresh databases created on"
+                                                     " this PostgreSQL server (`.ci/postgres start DIR` prints one)")
     p.add_argument("--quick", action="store_true", help="a small smoke version")
     p.add_argument("--arm", default="distilled:3", help="bench engine: the speculative arm")
     p.add_argument("--repetition-penalty", type=at_least(0.01, float), default=1.0,

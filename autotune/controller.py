@@ -135,6 +135,8 @@ def _check_label(request_class: str | None) -> None:
                                   " not a request class a caller can give")
     if request_class is None:
         return
+    if not request_class:
+        raise InvalidRequestError("request_class is empty: give a name, or None to have the request classified")
     # Every label is stored (observations, and the policy's key "class@load5+", 128 characters in
     # the store): one the database cannot take would fail every later save of what was learned.
     if len(request_class) > MAX_CLASS_CHARS:
@@ -389,6 +391,9 @@ class AutotuneController:
         arrived = time.perf_counter()
         ends = [EndsOnce(s) if s is not None else None for s in streamers or []]
         try:
+            if isinstance(prompts, (str, bytes)):
+                raise InvalidRequestError("prompts must be a list of prompts, got a single "
+                                          f"{type(prompts).__name__}: wrap it as [prompt]")
             if not prompts:
                 raise InvalidRequestError("the batch is empty")
             _check_label(request_class)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from tqdm import tqdm
+
 from autotune.classes import Workload, builtin_classes
 from autotune.controller import AutotuneController
 from autotune.inspect_store import format_table
@@ -14,7 +16,9 @@ DEMO_WEIGHTS = {"code": 0.3, "docs": 0.2, "edit": 0.3, "creative": 0.2}
 
 
 def run_demo(url: str | None, family=None, device: str = "cpu", requests: int = 120, policy: str = "ucb",
-             seed: int = 0, progress=print) -> dict:
+             seed: int = 0, progress=print, bar: bool = True) -> dict:
+    """Serve the demo workload through a controller; `bar`: a progress bar with the time left
+    (tqdm, on stderr)."""
     engine = load_engine(family, device=device)
     classes = builtin_classes(include_shared=False)
     stream = Workload(DEMO_WEIGHTS, n_requests=requests, seed=seed).requests(classes)
@@ -24,12 +28,10 @@ def run_demo(url: str | None, family=None, device: str = "cpu", requests: int = 
         progress(f"engine: {engine.identity}  device: {engine.device}")
         progress(f"serving {requests} requests from {sorted(DEMO_WEIGHTS)} with policy '{policy}'")
         with AutotuneController(engine, store, policy=policy) as controller:
-            for i, req in enumerate(stream):
+            for req in tqdm(stream, desc="serving", unit="req", disable=not bar, dynamic_ncols=True):
                 r = controller.generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
                                         req.top_p, req.seed)
                 log[req.request_class].append(r)
-                if (i + 1) % 20 == 0:
-                    progress(f"  {i + 1}/{requests} served")
         rows = []
         for name, results in sorted(log.items()):
             recent = results[len(results) // 2:]  # after most of the exploration

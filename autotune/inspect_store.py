@@ -6,6 +6,7 @@ import math
 import time
 
 from autotune.controller import INTERNAL_POLICIES
+from autotune.learning import learned_states
 
 
 def best_arm(state: dict) -> tuple[str, float, float, float] | None:
@@ -30,7 +31,7 @@ def policy_table(store, policy: str | None = None) -> list[dict]:
     if policy is None:
         return []
     history = [h for h in store.policy_history(policy) if "@" in h["request_class"]]
-    states = store.load_policy_states(policy)
+    states = learned_states(store, policy)  # the checkpoint and the journal after it
     stats = {(s.request_class, s.arm): s for s in store.arm_stats()}
     rows = []
     for key, state in sorted(states.items()):

@@ -129,3 +129,20 @@ class SharedLearning:
             self._changed.add(update.context.key)
             folded += 1
         return folded, mine_through, others
+
+
+def learned_states(store, policy_name: str) -> dict[str, dict]:
+    """What a controller resuming `policy_name` starts from, read without writing (`inspect`, the
+    notebooks): the newest checkpoint with the journal after it folded, by a policy of that name
+    over the arms they name, with default settings (a controller's own settings may weigh that
+    tail differently). A policy that is not a known learning one: the checkpoint alone."""
+    from policies import POLICIES, make_policy
+
+    states, through = store.load_checkpoint(policy_name)
+    tail = store.policy_updates(policy_name, after=through)
+    if not tail or policy_name not in POLICIES or not POLICIES[policy_name].learns:
+        return states
+    names = {arm for state in states.values() for arm in state.get("rows", {})} | {row["arm"] for row in tail}
+    policy = make_policy(policy_name, [Arm.parse(name) for name in sorted(names)])
+    SharedLearning(store, policy).resume()
+    return policy.state_dict()

@@ -9,7 +9,11 @@ together, and `optuna-dashboard <url>` shows them. The result seeds the online p
 
 from __future__ import annotations
 
+import random
+import time
+
 import optuna
+from sqlalchemy.exc import IntegrityError
 
 from autotune.classes import RequestClass
 from engine import OFF, Arm, HeuristicK, SamplingParams, SpeculativeEngine
@@ -19,6 +23,18 @@ STUDY_PREFIX = "autotune:"
 
 def study_name(request_class: str) -> str:
     return f"{STUDY_PREFIX}{request_class}"
+
+
+def study_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Optuna's storage in the store's database at `url`. Processes that create its tables at
+    once collide (two `autotune tune` on a new store: a unique key of alembic_version on SQLite,
+    of a type on PostgreSQL); the later one then finds them made, so it tries again."""
+    for _ in range(attempts - 1):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except IntegrityError:
+            time.sleep(random.uniform(0.1, 0.5))
+    return optuna.storages.RDBStorage(url)
 
 
 def tune_class(
@@ -38,7 +54,7 @@ def tune_class(
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {sorted(samplers)}")
     study = optuna.create_study(
         study_name=study_name(cls.name),
-        storage=url,
+        storage=study_storage(url),
         direction="maximize",
         sampler=samplers[sampler](seed=seed),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=4, n_warmup_steps=1),

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from autotune.corpus import shared_training_texts, stdlib_texts
+from engine.runner import cache_argument
 
 EOS = "<|endoftext|>"
 DEFAULT_FAMILY_DIR = Path(__file__).parent / "family"
@@ -164,13 +165,13 @@ def held_out_loss(model, windows: torch.Tensor) -> float:
 def sample_from(model, prompts: torch.Tensor, new_tokens: int, gen: torch.Generator) -> torch.Tensor:
     """Text the target generates (temperature 1), for distillation on its own distribution."""
     model.eval()
-    cache = DynamicCache(config=model.config)
+    cache = {cache_argument(model): DynamicCache(config=model.config)}
     seq = prompts
-    logits = model(seq, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(seq, **cache, use_cache=True).logits[:, -1]
     for _ in range(new_tokens):
         nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
         seq = torch.cat([seq, nxt], dim=1)
-        logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(nxt, **cache, use_cache=True).logits[:, -1]
     return seq
 
 

@@ -39,6 +39,7 @@ from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
 from engine.round import Drafts, Row, decode_round, stream
+from engine.runner import cache_argument
 from engine.sampling import adjust_logits, probabilities, sample, token_logprobs
 
 
@@ -59,6 +60,7 @@ class BatchCache:
 
     def __init__(self, model: PreTrainedModel, batch: int) -> None:
         self.model = model
+        self.cache_arg = cache_argument(model)
         self.cache = GrowingCache(model.config)
         self.keep = torch.zeros(batch, 0, dtype=torch.bool, device=model.device)  # [B, slots]
         self.position = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # [B, slots]
@@ -83,7 +85,7 @@ class BatchCache:
                      for kind, span in self.spans.items()}
             mask = masks if len(masks) > 1 else masks.popitem()[1]
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._for_attention(mask),
-                         past_key_values=self.cache, use_cache=True, logits_to_keep=keep)
+                         **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep)
         self.keep = torch.cat([self.keep, live], dim=1)
         self.position = torch.cat([self.position, positions], dim=1)
         return out.logits

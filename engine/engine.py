@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as hf_logging
 
 from engine.arms import MAX_K, OFF, Arm
 from engine.batch import BatchRun, check_batchable
@@ -32,12 +33,19 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, prompt_logprobs, sample
 from engine.schedule import ConstantK, KSchedule
 from engine.stopping import Stopping, finish_reason
-from engine.streaming import Streamer, end_stream
+from engine.streaming import Streamer, check_streamer, end_stream
 
 
 def _load(path_or_model, device, dtype) -> PreTrainedModel:
     if isinstance(path_or_model, (str, Path)):
-        path_or_model = AutoModelForCausalLM.from_pretrained(path_or_model, dtype=dtype)
+        # No weight-loading bar per model (four for the demo family) in a library's output.
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            path_or_model = AutoModelForCausalLM.from_pretrained(path_or_model, dtype=dtype)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
     return path_or_model.to(device=device, dtype=dtype).eval()
 
 
@@ -231,6 +239,11 @@ class SpeculativeEngine:
         `add_special_tokens` is false, as `tokenizer(prompt)` and vLLM give them: a model trained
         with a BOS first decodes worse without it. Token ids are taken as they are."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer would raise a TypeError
+                raise InvalidRequestError(f"the prompt is not valid Unicode text ({exc.reason} at character"
+                                          f" {exc.start})") from None
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
             ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"] if prompt else []
@@ -269,6 +282,9 @@ class SpeculativeEngine:
         if sampling is not None and (bad := sorted(t for t in sampling.token_ids() if t >= self.vocab_size)):
             raise InvalidRequestError(f"token ids in the sampling options are out of vocabulary range"
                                       f" (size {self.vocab_size}): {bad[:5]}")
+        if sampling is not None and sampling.min_tokens > max_new_tokens:
+            raise InvalidRequestError(f"min_tokens ({sampling.min_tokens}) exceeds max_new_tokens ({max_new_tokens}):"
+                                      " the request could not end")
         if sampling is not None and sampling.min_tokens and sampling.allowed_token_ids is not None:
             if set(sampling.allowed_token_ids) <= self._end_ids(sampling):
                 raise InvalidRequestError("allowed_token_ids are all end tokens, which min_tokens forbids:"
@@ -333,6 +349,8 @@ class SpeculativeEngine:
         schedule = schedule or ConstantK()
         ids = self.encode(prompt)
         drafter = self.check_request(ids.numel(), arm, max_new_tokens, sampling)
+        if streamer is not None:
+            check_streamer(streamer)
         try:
             result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, pause)
         except BaseException:
@@ -422,6 +440,9 @@ class SpeculativeEngine:
         as the request is done; i counts the prompts, then the joiners in order, as the returned
         results do. `prefill_chunk`: see `BatchSession`; a joiner whose prefill fails raises here.
         """
+        if isinstance(prompts, (str, bytes)):
+            raise InvalidRequestError(f"prompts must be a list of prompts, got a single {type(prompts).__name__}:"
+                                      " wrap it as [prompt]")
         if not prompts:
             raise InvalidRequestError("the batch is empty")
         count = len(prompts)
@@ -430,6 +451,9 @@ class SpeculativeEngine:
         streamers = streamers if streamers is not None else [None] * count
         if len(limits) != count or len(params) != count or len(streamers) != count:
             raise InvalidRequestError("max_new_tokens, sampling and streamers lists must have one entry per prompt")
+        for streamer in streamers:
+            if streamer is not None:
+                check_streamer(streamer)
         session = self.open_batch(arm, prefill_chunk)
         try:
             session.add([BatchRequest(*request) for request in zip(prompts, limits, params, streamers)])

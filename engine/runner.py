@@ -100,6 +100,16 @@ def use_compile_cache_dir() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default))
 
 
+def cache_argument(model) -> str:
+    """The name under which `model.forward` takes its cache: `cache` in transformers 5.24 (where
+    `past_key_values` still works but is deprecated, to go in 5.40), `cache_params` for Mamba-style
+    models in 5.23 (where a `past_key_values` would be dropped into **kwargs and every step start
+    from a fresh cache), `past_key_values` before."""
+    forward = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values", "cache_params") if name in forward),
+                "past_key_values")
+
+
 class ModelRunner:
     """Prefill, step and rollback for one model, hiding which cache and which forward it uses."""
 
@@ -123,12 +133,7 @@ class ModelRunner:
         self._fed: list[torch.Tensor] = []
         self.prefixes: PrefixCache | None = None  # earlier prompts' keys and values (engine/prefix.py)
         self.reused = 0  # prompt positions the last `begin` took from `prefixes`
-        # Mamba-style models take their cache as `cache_params` (transformers 5.23) or `cache`
-        # (5.24): a `past_key_values` would be dropped into **kwargs, and every step would start
-        # from a fresh cache.
-        forward = inspect.signature(model.forward).parameters
-        self._cache_arg = "past_key_values" if "past_key_values" in forward else next(
-            (name for name in ("cache_params", "cache") if name in forward), "past_key_values")
+        self._cache_arg = cache_argument(model)
         self.verifies = True  # a step of several tokens continues from the cache (see `_check_steps`)
         if self.recurrent:
             self._check_steps()

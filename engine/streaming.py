@@ -31,6 +31,8 @@ from typing import Protocol
 
 import torch
 
+from engine.errors import InvalidRequestError
+
 
 class Streamer(Protocol):
     def put(self, value: torch.Tensor) -> None: ...
@@ -68,6 +70,15 @@ def _call(streamer: Streamer, method: str, *args) -> str | None:
     return None
 
 
+def check_streamer(streamer) -> None:
+    """Refuse by name what is not a streamer (transformers' protocol: `put` and `end`), before the
+    request starts rather than when its first token is put."""
+    missing = [name for name in ("put", "end") if not callable(getattr(streamer, name, None))]
+    if missing:
+        raise InvalidRequestError(f"a streamer needs put() and end() methods (transformers' BaseStreamer);"
+                                  f" {type(streamer).__name__} has no {' or '.join(missing)}()")
+
+
 class EndsOnce:
     """Forwards to a streamer and lets only the first `end()` through, so a caller can end it in
     a `finally` whether or not the engine already did. `started`: something was put, so serving
@@ -75,6 +86,7 @@ class EndsOnce:
     (`shows_output = False`, such as a server's watch on a client waiting for the whole answer)."""
 
     def __init__(self, streamer: Streamer) -> None:
+        check_streamer(streamer)
         self.streamer = streamer
         self.started = self.ended = False
 

@@ -405,6 +405,11 @@ class Store:
 
     def load_policy_states(self, policy: str) -> dict[str, dict]:
         """Newest saved state of `policy` for every class: {class: state}."""
+        with self._reading_states(policy), self.engine.connect() as conn:
+            return self._newest_states(conn, policy)
+
+    @staticmethod
+    def _newest_states(conn, policy: str) -> dict[str, dict]:
         newest = (
             select(PolicyState.request_class, func.max(PolicyState.version).label("v"))
             .where(PolicyState.policy == policy)
@@ -415,10 +420,14 @@ class Store:
             newest,
             (PolicyState.request_class == newest.c.request_class) & (PolicyState.version == newest.c.v),
         ).where(PolicyState.policy == policy)
+        return {row.request_class: row.state for row in conn.execute(query)}
+
+    @contextlib.contextmanager
+    def _reading_states(self, policy: str):
+        """A state that is not JSON (edited or damaged by hand) becomes a StoreError naming its keys."""
         try:
-            with self.engine.connect() as conn:
-                return {row.request_class: row.state for row in conn.execute(query)}
-        except ValueError as exc:  # a state that is not JSON (edited or damaged by hand)
+            yield
+        except ValueError as exc:
             raw = select(PolicyState.request_class, type_coerce(PolicyState.state, Text).label("text")).where(
                 PolicyState.policy == policy)
             with self.engine.connect() as conn:
@@ -437,9 +446,13 @@ class Store:
     def load_checkpoint(self, policy: str) -> tuple[dict[str, dict], int]:
         """The newest saved state of `policy` per key and the journal id it reaches (0: none, or
         states saved before the journal: resumed as they are, the journal folded on top)."""
-        with self.engine.connect() as conn:
+        with self._reading_states(policy), self.engine.connect() as conn:
+            # Both reads in one transaction that no checkpoint commits into (SQLite: BEGIN IMMEDIATE
+            # or a WAL snapshot; PostgreSQL: the writers' lock): states newer than the `through`
+            # read beside them would have their updates folded twice.
+            self._advisory_lock(conn, STATES_LOCK)
             through = conn.execute(select(PolicyCheckpoint.through).where(PolicyCheckpoint.policy == policy)).scalar()
-        return self.load_policy_states(policy), through or 0
+            return self._newest_states(conn, policy), through or 0
 
     def save_checkpoint(self, policy: str, states: dict[str, dict], through: int, keep: int = 200) -> bool:
         """Save `states` (the keys that changed) as the fold of the journal through id `through`,

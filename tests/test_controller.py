@@ -687,9 +687,11 @@ def test_a_label_the_store_could_not_keep_is_refused_and_learning_is_still_saved
     url = f"sqlite:///{tmp_path / 'labels.db'}"
     with Store(url) as store:
         ctl = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("small", 2)], save_every=1)
-        for label in ("a\ud800", "c" * 121):
+        for label in ("a\ud800", "c" * 121, ""):
             with pytest.raises(InvalidRequestError, match="request_class"):
                 ctl.generate(PROMPTS[0], label, max_new_tokens=4)
+        with pytest.raises(InvalidRequestError, match="prompts must be a list of prompts, got a single str"):
+            ctl.generate_batch("abc", "code")
         ctl.generate(PROMPTS[0], "tenant ü " + "t" * 100, max_new_tokens=4)
         ctl.close()
         assert any(key.startswith("tenant ü") for key in store.load_policy_states("ucb"))

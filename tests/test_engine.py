@@ -555,6 +555,11 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", sampling=SamplingParams(stopping_criteria=[1])),
          "stopping_criteria must be callables"),
         (lambda e: e.generate("text", "off"), "needs a tokenizer"),
+        (lambda e: e.generate("a\ud800", "off"), "the prompt is not valid Unicode text"),
+        (lambda e: e.generate([1, 2], "off", 2, SamplingParams(min_tokens=3)),
+         r"min_tokens \(3\) exceeds max_new_tokens \(2\)"),
+        (lambda e: e.generate([1, 2], "off", streamer=5), r"a streamer needs put\(\) and end\(\) methods"),
+        (lambda e: e.generate_batch("abc", "off"), "prompts must be a list of prompts, got a single str"),
         # arguments of the wrong type are named, not met by a TypeError from deep inside
         (lambda e: e.generate([[1, 2]], "off"), r"a prompt is text, or token ids \(ints\) in a list or a tensor"),
         (lambda e: e.generate(torch.tensor([1.0, 2.0]), "off"), "a prompt is text, or token ids"),

@@ -7,7 +7,7 @@ import threading
 
 from test_store import run_python
 
-from autotune.learning import SharedLearning, Update
+from autotune.learning import SharedLearning, Update, learned_states
 from engine import OFF, Arm
 from policies import make_policy
 from store import Store
@@ -101,6 +101,8 @@ def test_killed_at_random_points_a_controller_loses_no_update_it_journaled(store
     assert observations <= journaled <= observations + 5  # a kill between an update and its observation
     assert journaled >= 5 * 5
     assert same_learning(state, replayed(store_url))
+    with Store(store_url, read_only=True) as store:  # what `inspect` shows: the same, nothing written
+        assert same_learning(learned_states(store, "ucb"), state)
 
 
 def test_four_controllers_on_one_store_add_up_their_evidence(store_url):

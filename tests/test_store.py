@@ -322,7 +322,8 @@ def test_a_full_disk_is_a_store_error_and_loses_nothing_written_before(tmp_path)
         s.save_policy_state("ucb", "code", {"v": 1})
         s.record(**obs(1))
         s.flush()
-        pages = s.engine.connect().exec_driver_sql("PRAGMA page_count").scalar()
+        with s.engine.connect() as conn:
+            pages = conn.exec_driver_sql("PRAGMA page_count").scalar()
         s.engine.dispose()
         event.listen(s.engine, "connect", lambda conn, _: conn.execute(f"PRAGMA max_page_count = {pages}"))
         with pytest.raises(StoreError, match=r"full\.db: the disk \(or the database's size limit\) is full .*"
@@ -352,3 +353,33 @@ def test_two_tune_processes_add_their_trials_to_one_study(store_url, tmp_path):
     finished = [t for t in study.trials if t.state.is_finished()]
     assert len(finished) == len(study.trials) == 6
     assert {"off"} <= {t.params["arm"] for t in finished}
+
+
+def test_a_version_3_store_is_upgraded_where_it_stands(store_url):
+    """On either database: a store from before the journal keeps its observations and policy
+    states (resumed as a checkpoint through 0) and gains the journal; two processes opening it at
+    once upgrade it once."""
+    from sqlalchemy import create_engine, text
+
+    with Store(store_url) as s:
+        s.record(**obs(7))
+        s.save_policy_state("ucb", "code@load1", {"pulls": 3})
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP TABLE autotune_policy_updates"))
+        conn.execute(text("DROP TABLE autotune_policy_checkpoints"))
+        conn.execute(text("UPDATE autotune_meta SET value = '3' WHERE key = 'schema_version'"))
+    engine.dispose()
+    openers = [run_python(f"""
+        from store import Store
+        with Store({store_url!r}) as s:
+            s.record_update(policy="ucb", seq=1, request_class="code", load=1, arm="off", goodput=9.0, reward=1.0)
+    """) for _ in range(2)]
+    for opener in openers:
+        _, err = opener.communicate(timeout=120)
+        assert opener.returncode == 0, err
+    with Store(store_url) as s:
+        assert s.load_checkpoint("ucb") == ({"code@load1": {"pulls": 3}}, 0)
+        assert [u["arm"] for u in s.policy_updates("ucb")] == ["off", "off"] and s.count() == 1
+        with s.engine.connect() as conn:
+            assert conn.execute(text("SELECT value FROM autotune_meta WHERE key = 'schema_version'")).scalar() == "4"

@@ -3,6 +3,7 @@ threads, and transformers' own `generate()` timed as the reference."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -93,3 +94,38 @@ def hf_generate(engine: SpeculativeEngine, ids: list[int], max_new_tokens: int, 
 def compile_total(report: dict[str, dict[str, float]]) -> float:
     """Seconds spent compiling, from `SpeculativeEngine.warm_up`'s report."""
     return round(sum(t for graphs in report.values() for t in graphs.values()), 2)
+
+
+@contextlib.contextmanager
+def fresh_stores(postgres: str | None = None):
+    """Yields `fresh(database, name) -> URL` of a new, empty store: database "sqlite", a file in a
+    temporary directory; "postgresql", a database created on the server at `postgres` (its URL,
+    any database on it), dropped afterwards."""
+    import tempfile
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    created: list[str] = []
+    admin = create_engine(postgres, isolation_level="AUTOCOMMIT") if postgres else None
+
+    def fresh(database: str, name: str) -> str:
+        if database == "sqlite":
+            return f"sqlite:///{tmp}/{name}.db"
+        if admin is None:
+            raise ValueError("no PostgreSQL server given (--postgres URL)")
+        db = f"autotune_bench_{name}_{uuid.uuid4().hex[:8]}"
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE DATABASE {db}"))
+        created.append(db)
+        return postgres.rsplit("/", 1)[0] + "/" + db
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            yield fresh
+        finally:
+            if admin is not None:
+                with admin.connect() as conn:
+                    for db in created:
+                        conn.execute(text(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"))
+                admin.dispose()
