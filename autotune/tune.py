@@ -13,7 +13,7 @@ import random
 import time
 
 import optuna
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from autotune.classes import RequestClass
 from engine import OFF, Arm, HeuristicK, SamplingParams, SpeculativeEngine
@@ -27,12 +27,13 @@ def study_name(request_class: str) -> str:
 
 def study_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
     """Optuna's storage in the store's database at `url`. Processes that create its tables at
-    once collide (two `autotune tune` on a new store: a unique key of alembic_version on SQLite,
-    of a type on PostgreSQL); the later one then finds them made, so it tries again."""
+    once collide (two `autotune tune` on a new store: "table ... already exists" or a unique key of
+    alembic_version on SQLite, a type's name on PostgreSQL); the later one then finds them made,
+    so it tries again."""
     for _ in range(attempts - 1):
         try:
             return optuna.storages.RDBStorage(url)
-        except IntegrityError:
+        except (IntegrityError, OperationalError, ProgrammingError):
             time.sleep(random.uniform(0.1, 0.5))
     return optuna.storages.RDBStorage(url)
 
