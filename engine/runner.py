@@ -105,7 +105,7 @@ def cache_argument(model) -> str:
     `past_key_values` still works but is deprecated, to go in 5.40), `cache_params` for Mamba-style
     models in 5.23 (where a `past_key_values` would be dropped into **kwargs and every step start
     from a fresh cache), `past_key_values` before."""
-    forward = inspect.signature(model.forward).parameters
+    forward = inspect.signature(type(model).forward).parameters  # the class's: an instance's may be wrapped
     return next((name for name in ("cache", "past_key_values", "cache_params") if name in forward),
                 "past_key_values")
 

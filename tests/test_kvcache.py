@@ -4,6 +4,7 @@ import torch
 from conftest import tiny_llama
 
 from engine import kvcache
+from engine.runner import cache_argument
 
 
 def test_growing_cache_matches_a_full_forward(monkeypatch):
@@ -15,7 +16,7 @@ def test_growing_cache_matches_a_full_forward(monkeypatch):
         cache = kvcache.GrowingCache(model.config)
 
         def feed(ids):
-            return model(ids, past_key_values=cache, use_cache=True).logits
+            return model(ids, **{cache_argument(model): cache}, use_cache=True).logits
 
         feed(tokens[:, :5])
         at = 5
@@ -39,7 +40,7 @@ def test_growing_cache_matches_a_full_forward(monkeypatch):
         # Two requests join, into the buffers' rows that left: no new buffer, and every row decodes on.
         joining = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
         joined = kvcache.GrowingCache(model.config)
-        model(joining[:, :at], past_key_values=joined, use_cache=True)
+        model(joining[:, :at], **{cache_argument(model): joined}, use_cache=True)
         buffer = cache.layers[0]._keys.data_ptr()
         for mine, theirs in zip(cache.layers, joined.layers, strict=True):
             mine.append_rows(theirs)
