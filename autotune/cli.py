@@ -106,7 +106,8 @@ def cmd_serve(args) -> None:
             engine, store, policy=args.policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
             classifier=RequestClassifier.from_store(store)) as controller:  # classes of the store's labelled history
         server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
-                                  api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"))
+                                  api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
+                                  max_metric_classes=args.max_metric_classes)
         print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
               f" batches of up to {args.max_batch}, {args.prefix_cache_tokens} prompt tokens kept a model);"
               f" store {store.url}; Ctrl-C stops", flush=True)
@@ -175,6 +176,8 @@ def cmd_bench(args) -> None:
 
     if args.what in ("store", "durability"):
         result = _bench_databases(args, bench)
+    elif args.what == "hostile":
+        result = bench.bench_hostile(classes=args.requests or 300)
     elif args.what == "decisions":
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
         result = bench.bench_decisions(**steps)
@@ -483,8 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="a local Hugging Face model folder to serve instead of the family")
     p.add_argument("--drafter", action="append", metavar="NAME=PATH", help="with --target: a drafter model folder")
     p.add_argument("--served-model-name", help="the model name clients send (default: the target folder's name)")
-    p.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` to /v1/ routes"
+    p.add_argument("--api-key", help="clients must send `Authorization: Bearer KEY` to every route but /health"
                                       " (default: $AUTOTUNE_API_KEY; none: open)")
+    p.add_argument("--max-metric-classes", type=at_least(1), default=100, metavar="N",
+                   help="/metrics labels at most N request classes; the others are summed as __other__")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
 
@@ -503,10 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
                                             " store, durability, limits, cache, longrun, choices, lengths, chunked,"
-                                            " prefix, concurrency, serve"))
+                                            " prefix, concurrency, serve, hostile"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
                                     "durability", "limits", "cache", "longrun", "choices", "lengths", "chunked",
-                                    "prefix", "concurrency", "serve"])
+                                    "prefix", "concurrency", "serve", "hostile"])
     p.add_argument("--postgres", metavar="URL", help="bench store, durability: also on fresh databases created on"
                                                      " this PostgreSQL server (`.ci/postgres start DIR` prints one)")
     p.add_argument("--quick", action="store_true", help="a small smoke version")
@@ -521,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
     p.add_argument("--requests", type=at_least(1),
                    help="bench controller: stream length (default 160); longrun: requests served (default 320);"
-                        " prefix: requests per case (default 24)")
+                        " prefix: requests per case (default 24); hostile: distinct request classes (default 300)")
     p.add_argument("--batch", type=at_least(1), default=1,
                    help="bench arms: serve each class's first N prompts together as one batch (load N)")
     p.add_argument("--arms-json", action="append",

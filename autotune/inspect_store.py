@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 
 from autotune.controller import INTERNAL_POLICIES
 from autotune.learning import learned_states
@@ -26,28 +27,32 @@ def latest_policy(store) -> str | None:
     return history[-1]["policy"] if history else None
 
 
-def policy_table(store, policy: str | None = None) -> list[dict]:
+def policy_table(store, policy: str | None = None, offset: int = 0, limit: int | None = None) -> list[dict]:
+    """A row per (class, load) the policy learned, in key order; `offset` and `limit` page
+    through them (a server with thousands of tenants shows a page, and reads only its history)."""
     policy = policy or latest_policy(store)
     if policy is None:
         return []
-    history = [h for h in store.policy_history(policy) if "@" in h["request_class"]]
     states = learned_states(store, policy)  # the checkpoint and the journal after it
+    every = sorted(key for key in states if "@" in key)
+    keys = every[offset:] if limit is None else every[offset:offset + limit]
+    history = defaultdict(list)  # key -> its saved versions, oldest first
+    for h in store.policy_history(policy, keys=None if keys == every else keys):
+        history[h["request_class"]].append(h)
     stats = {(s.request_class, s.arm): s for s in store.arm_stats()}
     rows = []
-    for key, state in sorted(states.items()):
-        if "@" not in key:
-            continue
+    for key in keys:
+        state = states[key]
         found = best_arm(state)
         if found is None:
             continue
         arm, mean, se, _ = found
         request_class, load = key.split("@", 1)
         last_change, previous = None, None
-        for h in history:
-            if h["request_class"] == key:
-                chosen = best_arm(h["state"])
-                if chosen and chosen[0] != previous:
-                    last_change, previous = h["saved_at"], chosen[0]
+        for h in history[key]:
+            chosen = best_arm(h["state"])
+            if chosen and chosen[0] != previous:
+                last_change, previous = h["saved_at"], chosen[0]
         observed = stats.get((request_class, arm))
         rows.append({
             "class": request_class,

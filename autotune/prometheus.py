@@ -61,12 +61,19 @@ GAUGES = {
 }
 
 
+OTHER_CLASSES = "__other__"  # the label of request classes past a server's `max_classes`
+
+
 class ServedCounters:
     """Counters and histograms over served requests, and the requests in flight: `begin`, `end`,
     `observe` and `fail` from any thread, `render` for a scrape. A request in flight is known
     by its `RequestClock`, which its streamer advances."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_classes: int = 100) -> None:
+        # Past `max_classes` distinct request classes, the others' series are summed as
+        # OTHER_CLASSES: 10,091 labels once grew a scrape to 70 MB.
+        self.max_classes = max_classes
+        self._classes: set[str] = set()
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], float]] = defaultdict(lambda: defaultdict(float))
         # name -> labels -> [count per bucket (not cumulative), sum, count]
@@ -84,8 +91,9 @@ class ServedCounters:
     def observe(self, result: ControlledResult, clock: RequestClock | None = None) -> None:
         """Count a request served; with its clock, also its latencies (from the clock's start,
         which is when the server handed it to the controller)."""
-        m, cls, arm = result.metrics, result.request_class, str(result.arm)
+        m, arm = result.metrics, str(result.arm)
         with self._lock:
+            cls = self._label(result.request_class)
             v = self._values
             v["requests_total"][cls, arm, str(result.finish_reason)] += 1
             v["prompt_tokens_total"][(cls,)] += m.prompt_tokens
@@ -107,6 +115,12 @@ class ServedCounters:
                 self._add("e2e_request_latency_seconds", (cls,), last)
                 if m.new_tokens > 1:
                     self._add("request_time_per_output_token_seconds", (cls, arm), (last - first) / (m.new_tokens - 1))
+
+    def _label(self, request_class: str) -> str:
+        if request_class in self._classes or len(self._classes) < self.max_classes:
+            self._classes.add(request_class)
+            return request_class
+        return OTHER_CLASSES
 
     def fail(self, error: Exception) -> None:
         with self._lock:

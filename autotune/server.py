@@ -25,6 +25,7 @@ import selectors
 import socket
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from http import HTTPStatus
@@ -117,14 +118,15 @@ class CompletionServer(ThreadingHTTPServer):
     request_queue_size = 2048
 
     def __init__(self, controller: AutotuneController, address: tuple[str, int] = ("127.0.0.1", 8000),
-                 model_name: str = "spec-autotune", verbose: bool = False, api_key: str | None = None) -> None:
+                 model_name: str = "spec-autotune", verbose: bool = False, api_key: str | None = None,
+                 max_metric_classes: int = 100) -> None:
         if controller.engine.tokenizer is None:
             raise ValueError("the server needs the engine's tokenizer (text in, text out)")
         self.controller, self.model_name, self.verbose = controller, model_name, verbose
-        self.api_key = api_key  # vLLM's --api-key: /v1/ routes then need `Authorization: Bearer <key>`
+        self.api_key = api_key  # vLLM's --api-key: every route but /health then needs `Authorization: Bearer <key>`
         self.tokenizer = controller.engine.tokenizer
         self.created = int(time.time())
-        self.counters = ServedCounters()
+        self.counters = ServedCounters(max_metric_classes)
         self.hang_ups = HangUpWatcher()
         super().__init__(address, _Handler)
 
@@ -273,6 +275,25 @@ class LogprobDeltas:
         return out
 
 
+POLICY_PAGE = 100  # rows of /v1/autotune/policy at most per call: its cost grows with the keys shown
+
+
+def _page(query: str) -> tuple[int, int]:
+    """`offset` and `limit` of a /v1/autotune/policy query string, refused by name when bad."""
+    fields = urllib.parse.parse_qs(query)
+    unknown = sorted(set(fields) - {"offset", "limit"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s) {unknown}; this route takes offset and limit")
+    values = {}
+    for name, default, low, high in (("offset", 0, 0, None), ("limit", POLICY_PAGE, 1, POLICY_PAGE)):
+        text = fields.get(name, [str(default)])[-1]
+        if not text.isdigit() or int(text) < low or (high is not None and int(text) > high):
+            bound = f"an int from {low}" + (f" to {high}" if high is not None else "")
+            raise BadRequest(f"{name} must be {bound}, got {text!r}", name)
+        values[name] = int(text)
+    return values["offset"], values["limit"]
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: CompletionServer
     server_version = "spec-autotune"
@@ -282,9 +303,10 @@ class _Handler(BaseHTTPRequestHandler):
             super().log_message(format, *args)
 
     def _authorized(self) -> bool:
-        """A /v1/ route needs the server's key when it has one; the answer is sent if not."""
+        """Every route but /health needs the server's key when it has one (tokenizing and the
+        metrics cost the server too); the answer is sent if not."""
         key = self.server.api_key
-        if key is None or not self.path.startswith("/v1/") or hmac.compare_digest(
+        if key is None or self.path == "/health" or hmac.compare_digest(
                 self.headers.get("Authorization", ""), f"Bearer {key}"):
             return True
         refused = BadRequest("a valid API key is required: send `Authorization: Bearer <key>`",
@@ -299,7 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json({"status": "ok"})
         if self.path == "/metrics":
             return self._send(self.server.counters.render().encode(), "text/plain; version=0.0.4")
-        if self.path == "/v1/autotune/policy":
+        if self.path == "/v1/autotune/policy" or self.path.startswith("/v1/autotune/policy?"):
             return self._policy()
         if self.path == "/v1/models":
             model = {"id": self.server.model_name, "object": "model", "created": self.server.created,
@@ -339,7 +361,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _policy(self) -> None:
         """What the controller has learned so far, per class and load, as `autotune inspect
-        --json` shows it from the store (saved and flushed first, so it is up to date)."""
+        --json` shows it from the store (saved and flushed first, so it is up to date), a page of
+        `?limit=` rows (at most POLICY_PAGE, the default) from `&offset=`."""
         controller = self.server.controller
         if controller.store is None:
             missing = BadRequest("this server keeps no store, so it has no learned policy to show",
@@ -350,8 +373,13 @@ class _Handler(BaseHTTPRequestHandler):
             controller.store.flush()
         except StoreError as exc:  # observations the database refused: told, and the table still shown
             logger.warning("%s", exc)
+        try:
+            offset, limit = _page(urllib.parse.urlsplit(self.path).query)
+        except BadRequest as exc:
+            return self._json(exc.body(), exc.status)
         policy = controller.policy.name
-        self._json({"policy": policy, "classes": policy_table(controller.store, policy)})
+        self._json({"policy": policy, "offset": offset, "limit": limit,
+                    "classes": policy_table(controller.store, policy, offset, limit)})
 
     def _read(self) -> tuple[ApiRequest, list[list[int]]]:
         parsers = {"/v1/completions": parse_completion,
@@ -377,6 +405,10 @@ class _Handler(BaseHTTPRequestHandler):
             return {"prompt": tokenizer.decode(ids)}
         text, special, strings = parse_tokenize(body, tokenizer)
         self._check_model(body)
+        try:
+            self.server.controller.engine.check_prompt_text(text)
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc), "messages" if "messages" in body else "prompt") from None
         ids = tokenizer(text, add_special_tokens=special)["input_ids"]
         return {"count": len(ids), "max_model_len": self.server.controller.engine.max_length, "tokens": ids,
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if strings else None}

@@ -474,10 +474,13 @@ class Store:
                              .where(PolicyCheckpoint.policy == policy).values(**values))
         return True
 
-    def policy_history(self, policy: str | None = None) -> list[dict]:
+    def policy_history(self, policy: str | None = None, keys: list[str] | None = None) -> list[dict]:
+        """Every saved version, oldest first; of one policy, and of some of its keys."""
         query = select(*PolicyState.__table__.c).order_by(PolicyState.saved_at)
         if policy is not None:
             query = query.where(PolicyState.policy == policy)
+        if keys is not None:
+            query = query.where(PolicyState.request_class.in_(keys))
         with self.engine.connect() as conn:
             return [dict(row._mapping) for row in conn.execute(query)]
 

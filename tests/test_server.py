@@ -16,7 +16,7 @@ from autotune.controller import AutotuneController, ControlledResult
 from autotune.prometheus import RequestClock, ServedCounters
 from autotune.server import CompletionServer
 from autotune.zoo import DEFAULT_FAMILY_DIR
-from engine import OFF, Arm, GenerationMetrics, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, GenerationMetrics, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 from store import Store
 
 PROMPTS = ["def parse(argv):\n", "import os\nimport sys\n", "class Reader:\n    "]
@@ -356,7 +356,8 @@ def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what
     tokenizer.save_pretrained(tmp_path / "model")
     url = f"sqlite:///{tmp_path / 'serve.db'}"
     server = subprocess.Popen([sys.executable, "-m", "autotune.cli", "serve", "--target", str(tmp_path / "model"),
-                               "--drafter", f"self={tmp_path / 'model'}", "--port", "0", "--db", url],
+                               "--drafter", f"self={tmp_path / 'model'}", "--port", "0", "--db", url,
+                               "--max-metric-classes", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = server.stdout.readline()
@@ -367,12 +368,26 @@ def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what
         learned = json.loads(urllib.request.urlopen(base + "/v1/autotune/policy").read())  # while serving
         assert learned["policy"] == "ucb" and [(r["class"], r["load"]) for r in learned["classes"]] == [("code", "1")]
         assert learned["classes"][0]["pulls"] == 1
+        for request_class in ("docs", "tenant-3"):
+            post(base, {"prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "request_class": request_class})
+        pages = [json.loads(urllib.request.urlopen(base + "/v1/autotune/policy" + query).read())
+                 for query in ("?limit=2", "?offset=2&limit=2")]
+        assert [[r["class"] for r in page["classes"]] for page in pages] == [["code", "docs"], ["tenant-3"]]
+        for query, words in [("?limit=0", "limit must be an int from 1 to 100"), ("?page=2", "unknown query")]:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(base + "/v1/autotune/policy" + query)
+            assert refused.value.code == 400 and words in json.loads(refused.value.read())["error"]["message"]
+        scraped = urllib.request.urlopen(base + "/metrics").read().decode()  # past 1 class: the rest summed
+        assert 'autotune_prompt_tokens_total{request_class="code"}' in scraped
+        other = 'autotune_requests_total{request_class="__other__"'
+        assert sum(int(line.rsplit(" ", 1)[1]) for line in scraped.splitlines() if line.startswith(other)) == 2
+        assert "docs" not in scraped
     finally:
         server.send_signal(signal.SIGTERM)  # a service manager's stop (SIGINT is ignored in a background job)
         assert server.wait(timeout=60) == 0
     with Store(url) as store:
-        [observation] = store.observations()
-    assert observation["request_class"] == "code" and observation["new_tokens"] == 8
+        observations = store.observations()
+    assert [(o["request_class"], o["new_tokens"]) for o in observations] == [("code", 8), ("docs", 4), ("tenant-3", 4)]
 
 
 def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
@@ -641,7 +656,7 @@ def test_a_server_without_a_store_says_it_has_no_policy_to_show(served):
     assert refused.value.code == 404 and "keeps no store" in json.loads(refused.value.read())["error"]["message"]
 
 
-def test_with_an_api_key_the_v1_routes_need_it(served):
+def test_with_an_api_key_every_route_but_health_needs_it(served):
     engine, _ = served
     controller = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF)
     server = CompletionServer(controller, ("127.0.0.1", 0), api_key="sesame")
@@ -654,13 +669,28 @@ def test_with_an_api_key_the_v1_routes_need_it(served):
             status, error = post(base, body, headers=headers)
             assert status == 401 and error["error"]["type"] == "authentication_error"
             assert "Authorization: Bearer <key>" in error["error"]["message"]
-        with pytest.raises(urllib.error.HTTPError, match="401"):
-            urllib.request.urlopen(base + "/v1/models")
+        for path in ("/v1/models", "/metrics", "/v1/autotune/policy"):
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(base + path)
+        assert post(base, {"prompt": "x"}, "/tokenize")[0] == 401  # tokenizing costs the server too
         status, answer = post(base, body, headers={"Authorization": "Bearer sesame"})
         assert status == 200 and answer["usage"]["completion_tokens"] == 4
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(served, monkeypatch):
+    engine, base = served
+    huge = "def f(x):\n    return x\n" * 200_000  # 4.6 MB
+    monkeypatch.setattr(type(engine.tokenizer), "__call__", lambda *a, **k: pytest.fail("tokenized"))
+    for path, body in [("/v1/completions", {"prompt": huge, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                       ("/tokenize", {"prompt": huge})]:
+        status, error = post(base, body, path)
+        assert status == 400 and "before tokenizing" in error["error"]["message"], (path, error)
+    with pytest.raises(InvalidRequestError, match=r"the prompt is 4600000 characters, far more than the target's"):
+        engine.generate(huge, "off", 4)
 
 
 @pytest.mark.parametrize("length, status, words", [
