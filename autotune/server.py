@@ -306,8 +306,10 @@ class _Handler(BaseHTTPRequestHandler):
         """Every route but /health needs the server's key when it has one (tokenizing and the
         metrics cost the server too); the answer is sent if not."""
         key = self.server.api_key
-        if key is None or self.path == "/health" or hmac.compare_digest(
-                self.headers.get("Authorization", ""), f"Bearer {key}"):
+        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, the
+        # connection closed with no answer).
+        sent = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if key is None or self.path == "/health" or hmac.compare_digest(sent, f"Bearer {key}".encode()):
             return True
         refused = BadRequest("a valid API key is required: send `Authorization: Bearer <key>`",
                              status=HTTPStatus.UNAUTHORIZED)
@@ -421,7 +423,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self):
         """The request's JSON body, refused if too large, of no stated length or not JSON."""
         length = self.headers.get("Content-Length", "0")
-        if not length.isdigit():
+        if not (length.isascii() and length.isdigit()):  # "²".isdigit() is True, and int() refuses it
             raise BadRequest(f"Content-Length must be a number of bytes, got {length!r}")
         if int(length) > MAX_BODY_BYTES:
             raise BadRequest(f"the body is {length} bytes; this server takes at most {MAX_BODY_BYTES}",
@@ -543,6 +545,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _event(self, payload: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
         self.wfile.flush()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, an unsupported method) as
+        OpenAI's JSON error body, not an HTML page."""
+        refused = BadRequest(message or HTTPStatus(code).phrase, status=HTTPStatus(code))
+        self.close_connection = True
+        self._json(refused.body(), refused.status)
 
     def _json(self, payload: dict, status: HTTPStatus = HTTPStatus.OK) -> None:
         self._send(json.dumps(payload).encode(), "application/json", status)

@@ -665,7 +665,8 @@ def test_with_an_api_key_every_route_but_health_needs_it(served):
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}  # greedy: no EOS within 4 tokens
     try:
         assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}  # probes need none
-        for headers in (None, {"Authorization": "Bearer open"}, {"Authorization": "sesame"}):
+        for headers in (None, {"Authorization": "Bearer open"}, {"Authorization": "sesame"},
+                        {"Authorization": "Bearer s\u00e9same"}):  # not ASCII: once no answer at all
             status, error = post(base, body, headers=headers)
             assert status == 401 and error["error"]["type"] == "authentication_error"
             assert "Authorization: Bearer <key>" in error["error"]["message"]
@@ -696,6 +697,7 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(served,
 @pytest.mark.parametrize("length, status, words", [
     ("999999999999", 413, "this server takes at most"),
     ("ten", 400, "Content-Length must be a number of bytes"),
+    ("\u00b2", 400, "Content-Length must be a number of bytes"),  # a digit to str.isdigit, not to int()
 ])
 def test_a_body_too_large_or_of_no_stated_length_is_refused_before_it_is_read(served, length, status, words):
     import http.client
@@ -707,6 +709,19 @@ def test_a_body_too_large_or_of_no_stated_length_is_refused_before_it_is_read(se
     connection.endheaders()
     response = connection.getresponse()
     assert response.status == status and words in json.loads(response.read())["error"]["message"]
+    connection.close()
+
+
+def test_a_method_or_request_line_http_server_refuses_gets_a_json_error(served):
+    import http.client
+
+    port = int(served[1].rsplit(":", 1)[1])
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    connection.request("OPTIONS", "/v1/completions")
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 501 and response.getheader("Content-Type") == "application/json"
+    assert "OPTIONS" in error["message"] and error["code"] == 501
     connection.close()
 
 
