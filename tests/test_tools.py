@@ -1,6 +1,8 @@
 """Tuning, the CLI and the notebooks, on a small store made from tiny models."""
 
+import base64
 import dataclasses
+import os
 import subprocess
 import sys
 import threading
@@ -59,15 +61,23 @@ def test_tuning_is_resumable_and_seeds_the_online_policy(small_store, classes):
     assert {a for a, row in table.rows.items() if row[0] > 0} == set(priors["rep"])
 
 
-@pytest.mark.parametrize("notebook", ["policy_inspection.ipynb", "tuning_report.ipynb"])
-def test_notebooks_run_top_to_bottom(small_store, notebook, monkeypatch):
+@pytest.mark.parametrize("notebook, figures", [("policy_inspection.ipynb", 6), ("tuning_report.ipynb", 4)])
+def test_notebooks_run_top_to_bottom_and_draw_their_figures(small_store, notebook, figures, monkeypatch, tmp_path):
+    """Every cell runs and every plot is drawn; the figures are written to $NOTEBOOK_FIGURES
+    (CI: notebooks/figures/) to be looked at."""
     _, url = small_store
     monkeypatch.setenv("AUTOTUNE_DB", url)
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(ROOT / "notebooks" / notebook, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
-    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    printed = "".join(o.get("text", "") for o in outputs)
     assert "rep" in printed and "mixed" in printed
+    images = [base64.b64decode(o["data"]["image/png"]) for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= figures
+    folder = Path(os.environ.get("NOTEBOOK_FIGURES") or tmp_path) / Path(notebook).stem
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(images):
+        (folder / f"{i:02d}.png").write_bytes(image)
 
 
 def test_cli_inspect_prints_the_learned_table(small_store, capsys):
