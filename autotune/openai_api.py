@@ -18,11 +18,14 @@ with echo). Every refusal names the field.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from autotune.controller import ControlledResult
 from engine.sampling import SEED_RANGE
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's, for completions
 MAX_LOGPROBS = 20  # OpenAI's
@@ -100,11 +103,28 @@ def _get(body: dict, name: str, kinds, default=None):
     return value
 
 
+# Fields asking for what this server does not serve (tool calls, structured output): ignored, the
+# answer would not be what was asked, so they are refused unless their value asks for nothing.
+UNSERVED = {
+    "tools": lambda v: not v, "functions": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none"), "function_call": lambda v: v in (None, "none"),
+    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+                    lambda v: v is None),
+}
+
+
 def _check_fields(body, known: tuple[str, ...]) -> None:
+    """Other fields are ignored with a debug log, as vLLM does: clients send their own (the OpenAI
+    SDK's `store`, `metadata`; vLLM's `priority`, `chat_template_kwargs`)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    if unknown := sorted(set(body) - set(known)):
-        raise BadRequest(f"unknown field(s) {unknown}; this endpoint takes: {sorted(known)}", unknown[0])
+    for name, asks_nothing in UNSERVED.items():
+        if name in body and not asks_nothing(body[name]):
+            raise BadRequest(f"{name} is not served: this server makes no tool calls and no structured output"
+                             " (a logits_processor does grammars through the library)", name)
+    if ignored := sorted(set(body) - set(known) - set(UNSERVED)):
+        logger.debug("ignored field(s) %s; this endpoint takes %s", ignored, sorted(known))
 
 
 def _prompts(value) -> tuple[str | tuple[int, ...], ...]:
@@ -134,6 +154,8 @@ def _messages(value) -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
         content = message.get("content")
+        if content is None:  # an assistant turn that made a tool call, in an agent's history
+            content = ""
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)
