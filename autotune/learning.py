@@ -96,9 +96,11 @@ class SharedLearning:
             if self._changed:
                 state = self._folded.state_dict()
                 keys = self._changed | {key for key in state if "@" not in key}  # policy-wide: contextual's history
-                self._changed = set()  # a refusal means a newer checkpoint has them (save_checkpoint)
                 self.store.save_checkpoint(self.policy.name, {key: state[key] for key in keys if key in state},
                                            self._through)
+                # Saved, or refused because a newer checkpoint has them; kept if the save raised,
+                # for the next one (a checkpoint past them without them would lose their updates).
+                self._changed = set()
             fresh = copy.deepcopy(self._folded) if others else None
             with policy_lock:
                 self._local = [u for u in self._local if u.seq > mine_through]

@@ -5,11 +5,12 @@ import random
 import signal
 import threading
 
+import pytest
 from test_store import run_python
 
 from autotune.learning import SharedLearning, Update, learned_states
 from engine import OFF, Arm
-from policies import make_policy
+from policies import Context, Outcome, make_policy
 from store import Store
 
 ARMS = [OFF, Arm("small", 2), Arm("ngram", 3)]
@@ -119,3 +120,37 @@ def test_four_controllers_on_one_store_add_up_their_evidence(store_url):
     assert journaled == 600 and sum(t["pulls"] for t in state.values()) == 600
     assert same_learning(state, replayed(store_url))
     assert max(final) == 600 and min(final) >= 150
+
+
+def test_a_checkpoint_the_database_refused_is_written_whole_with_the_next(tmp_path, monkeypatch):
+    """A checkpoint that fails (a locked or full database) keeps the keys it would have saved:
+    the next one, reaching further, saves them too, and a resume counts every update."""
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    lock = threading.Lock()
+    with Store(url) as store:
+        policy = make_policy("ucb", ARMS)
+        learning = SharedLearning(store, policy)
+        learning.resume()
+
+        def teach(request_class: str) -> None:
+            context = Context(request_class)
+            outcome = Outcome(100.0, 1.2)
+            policy.update(context, OFF, outcome)
+            learning.add(context, OFF, outcome)
+            store.flush()
+
+        teach("code")
+        def full(*args, **kwargs):
+            raise OSError("disk full")
+
+        real = store.save_checkpoint
+        monkeypatch.setattr(store, "save_checkpoint", full)
+        with pytest.raises(OSError, match="disk full"):
+            learning.sync(lock)
+        monkeypatch.setattr(store, "save_checkpoint", real)
+        teach("docs")
+        learning.sync(lock)
+        assert store.load_checkpoint("ucb")[1] == 2 and set(store.load_checkpoint("ucb")[0]) == {"code@load1",
+                                                                                                 "docs@load1"}
+    state, journaled = resumed(url)
+    assert journaled == 2 and sum(t["pulls"] for t in state.values()) == 2
