@@ -19,6 +19,7 @@ with echo). Every refusal names the field.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -52,6 +53,18 @@ class BadRequest(Exception):
         kind = ("authentication_error" if self.status == HTTPStatus.UNAUTHORIZED else "invalid_request_error"
                 if self.status < 500 else "internal_error")
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": int(self.status)}}
+
+
+def refused(exc: Exception, chat: bool) -> BadRequest:
+    """An engine-side refusal as a 400 naming the request field it is about: the engine's
+    messages begin with the field they refuse ("top_k must be ...", "min_tokens (3) exceeds
+    ..."), in the library's spelling, which the API's replaces (max_new_tokens: max_tokens; a
+    prompt: a chat's messages)."""
+    found = re.match(r"(?:the )?([a-z_]+)", str(exc))
+    word = found.group(1) if found else ""
+    param = {"max_new_tokens": "max_tokens", "prompt": "messages" if chat else "prompt"}.get(word, word)
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    return BadRequest(str(exc), param if param in known else None)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from autotune.openai_api import (
     parse_detokenize,
     parse_tokenize,
     prompt_text,
+    refused,
     response_choice,
     usage,
 )
@@ -355,7 +356,7 @@ class _Handler(BaseHTTPRequestHandler):
             choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
                        for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
         except InvalidRequestError as exc:
-            return self._json(BadRequest(str(exc)).body(), HTTPStatus.BAD_REQUEST)
+            return self._json(refused(exc, request.chat).body(), HTTPStatus.BAD_REQUEST)
         except Exception as exc:  # the client gets an answer whatever failed
             failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
             return self._json(failure.body(), failure.status)
@@ -395,7 +396,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             return self.server.admit(request)
         except InvalidRequestError as exc:
-            raise BadRequest(str(exc)) from None
+            raise refused(exc, request.chat) from None
 
     def _tokens(self, body) -> dict:
         """vLLM's /tokenize (a prompt's or a chat's token ids, as the completion endpoints
@@ -410,7 +411,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self.server.controller.engine.check_prompt_text(text)
         except InvalidRequestError as exc:
-            raise BadRequest(str(exc), "messages" if "messages" in body else "prompt") from None
+            raise refused(exc, "messages" in body) from None
         ids = tokenizer(text, add_special_tokens=special)["input_ids"]
         return {"count": len(ids), "max_model_len": self.server.controller.engine.max_length, "tokens": ids,
                 "token_strs": tokenizer.convert_ids_to_tokens(ids) if strings else None}
@@ -525,9 +526,11 @@ class _Handler(BaseHTTPRequestHandler):
                                         logprobs=logprobs[i].take())
                     self._event(self._envelope(request, [last], chunk=True))
                 else:
-                    status = HTTPStatus.BAD_REQUEST if isinstance(payload, InvalidRequestError) else \
-                        HTTPStatus.INTERNAL_SERVER_ERROR
-                    self._event(BadRequest(f"{type(payload).__name__}: {payload}", status=status).body())
+                    if isinstance(payload, InvalidRequestError):
+                        self._event(refused(payload, request.chat).body())
+                    else:
+                        self._event(BadRequest(f"{type(payload).__name__}: {payload}",
+                                               status=HTTPStatus.INTERNAL_SERVER_ERROR).body())
                     results[i] = None
             served = [results[i] for i in range(len(rows))]
             if request.include_usage and None not in served:

@@ -230,6 +230,19 @@ def test_bad_requests_get_openais_error_body_naming_the_problem(served, body, st
     assert error["error"]["type"] == "invalid_request_error" and error["error"]["code"] == status
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 300, "max_tokens": 8}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 9}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 300}], "max_tokens": 8}, "messages"),
+])
+def test_a_refusal_from_the_engine_names_the_field_it_is_about(served, path, body, param):
+    got, error = post(served[1], body, path)
+    assert got == 400 and error["error"]["param"] == param, error
+
+
 def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_stream(served):
     engine, base = served
     # The template writes the BOS; encoding adds none (vLLM's chat default), so there is one.
