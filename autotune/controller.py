@@ -676,9 +676,7 @@ class AutotuneController:
             self._threads = None
         if self.coalescer is not None:
             self.coalescer.idle()
-        if self.store is not None:
-            self.save()
-            self.store.flush()
+        self.save()  # flushes the observations too
 
     def __enter__(self) -> AutotuneController:
         return self

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 
 from engine import Arm
+from policies import POLICIES, make_policy
 from policies.base import Context, Outcome, Policy
 
 logger = logging.getLogger(__name__)
@@ -138,8 +139,6 @@ def learned_states(store, policy_name: str) -> dict[str, dict]:
     notebooks): the newest checkpoint with the journal after it folded, by a policy of that name
     over the arms they name, with default settings (a controller's own settings may weigh that
     tail differently). A policy that is not a known learning one: the checkpoint alone."""
-    from policies import POLICIES, make_policy
-
     states, through = store.load_checkpoint(policy_name)
     tail = store.policy_updates(policy_name, after=through)
     if not tail or policy_name not in POLICIES or not POLICIES[policy_name].learns:

@@ -371,10 +371,9 @@ class _Handler(BaseHTTPRequestHandler):
             missing = BadRequest("this server keeps no store, so it has no learned policy to show",
                                  status=HTTPStatus.NOT_FOUND)
             return self._json(missing.body(), missing.status)
-        controller.save()
         try:
-            controller.store.flush()
-        except StoreError as exc:  # observations the database refused: told, and the table still shown
+            controller.save()
+        except StoreError as exc:  # what the database refused: told, and the table still shown
             logger.warning("%s", exc)
         try:
             offset, limit = _page(urllib.parse.urlsplit(self.path).query)

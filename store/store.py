@@ -98,11 +98,9 @@ def _cannot_open(url: str, exc: DatabaseError) -> str:
 
 def _cannot_write(url: str, doing: str, exc: DatabaseError) -> str:
     reason = str(getattr(exc, "orig", exc))
-    if "full" in reason.lower():  # SQLite's SQLITE_FULL; PostgreSQL's "could not extend file ... No space left"
+    if "full" in reason.lower() or "no space left" in reason.lower():  # SQLite's SQLITE_FULL; PostgreSQL's ENOSPC
         return (f"{url}: the disk (or the database's size limit) is full ({reason}) while {doing}; nothing of it"
                 " was written: free space and save again")
-    if "No space left" in reason:
-        return f"{url}: no space left on the database server's disk ({reason}) while {doing}"
     return f"{url}: {doing} failed: {reason}"
 
 
@@ -436,10 +434,10 @@ class Store:
                              f" valid JSON ({exc}); delete those rows to start them afresh") from exc
 
     # ----- the journal of policy updates and its checkpoints ---------------------------------
-    def policy_updates(self, policy: str, after: int = 0, limit: int | None = None) -> list[dict]:
+    def policy_updates(self, policy: str, after: int = 0) -> list[dict]:
         """Journaled updates of `policy` with id > `after`, oldest first."""
         query = select(*PolicyUpdate.__table__.c).where(PolicyUpdate.policy == policy, PolicyUpdate.id > after)
-        query = query.order_by(PolicyUpdate.id).limit(limit)
+        query = query.order_by(PolicyUpdate.id)
         with self.engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
 

@@ -1,7 +1,6 @@
 """Tiny random-weight models built in the test, so the suite runs in seconds on CPU."""
 
 import os
-import uuid
 
 import pytest
 import torch
@@ -45,25 +44,16 @@ def draft_model():
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request, tmp_path):
+def store_url(request):
     """A fresh store's URL: a SQLite file, and a database of its own on the PostgreSQL server at
     $AUTOTUNE_TEST_POSTGRES_URL (`.ci/postgres start` starts one; CI sets
     AUTOTUNE_REQUIRE_POSTGRES=1 so that a missing server fails instead of skipping)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
-        return
+    from autotune.bench.common import fresh_stores
+
     server = os.environ.get("AUTOTUNE_TEST_POSTGRES_URL")
-    if not server:
+    if request.param == "postgresql" and not server:
         if os.environ.get("AUTOTUNE_REQUIRE_POSTGRES"):
             pytest.fail("AUTOTUNE_REQUIRE_POSTGRES is set but AUTOTUNE_TEST_POSTGRES_URL is not")
         pytest.skip("no PostgreSQL server: `.ci/postgres start DIR` prints a URL for AUTOTUNE_TEST_POSTGRES_URL")
-    from sqlalchemy import create_engine, text
-
-    name = f"autotune_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    yield server.rsplit("/", 1)[0] + "/" + name
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    with fresh_stores(server) as fresh:
+        yield fresh(request.param, "test")
