@@ -579,11 +579,12 @@ class AutotuneController:
             replay = learning or share[1] + share[2] <= self.counterfactual_budget * share[0]
             if replay:  # other threads' requests go on adding to the costs while this one replays
                 costs = copy.deepcopy(costs)
+                worth = self.policy.worth_replaying(context)
         if replay and off_step is not None:
             served_requests = [(r.ids, result.tokens, r.max_new_tokens) for r, result in zip(requests, results)]
             started = time.perf_counter()
             with self.engine_lock:
-                estimates = arm_rewards(self.engine, self.policy.arms, costs, served_requests,
+                estimates = arm_rewards(self.engine, worth, costs, served_requests,
                                         served.prefill_s - served.draft_prefill_s, off_step,
                                         [r.sampling for r in requests])
             with self.policy_lock:
@@ -593,7 +594,8 @@ class AutotuneController:
             estimates.pop(str(arm), None)  # the arm played has its measured reward
             return {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
         return sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()),
-                               functools.partial(costs.draft_cost, arm.drafter))
+                               functools.partial(costs.draft_cost, arm.drafter),
+                               functools.partial(costs.verify_cost, drafter=arm.drafter))
 
     def learn_segment(self, arm: Arm, context: Context, done: GenerationMetrics, committed: int, row_rounds: int,
                       fell_back: bool) -> None:
@@ -612,7 +614,8 @@ class AutotuneController:
                 return
             costs = self.rewards.costs_for(context.load, is_sampled(context))
             siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
-                                       functools.partial(costs.draft_cost, arm.drafter))
+                                       functools.partial(costs.draft_cost, arm.drafter),
+                                       functools.partial(costs.verify_cost, drafter=arm.drafter))
             self._update(context, arm, Outcome(gain * row_rounds / taken if taken > 0 else 0.0, reward,
                                                done.acceptance, done.new_tokens, siblings))
 

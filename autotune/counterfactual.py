@@ -37,16 +37,22 @@ VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of 
 
 OFF_ROUNDS = "off"  # who drafted a verify's tokens when no one did
 WINDOW = 32  # requests each cost is the median of: a burst shorter than half of them moves no estimate
+# A request's figure counts its rounds up to this many: one round's time says less than ten's, but
+# past a few dozen a figure is as precise as the moment it was taken, and a long request must not
+# outvote several short ones. Counted whole, one cold first OFF request (63 rounds, 1.3x the step
+# of the requests after it) outweighed calibration's three runs, and every reward after it read
+# 1.2-1.3x the speedup measured beside it until OFF was measured again.
+ROUNDS_COUNTED = 16
 
 
 def _median(observations: list[list[float]]) -> float:
-    """The median of [value, weight, ...] observations, each counted `weight` times (a request's
-    seconds per round, by its rounds: one round's time says less than a hundred's)."""
+    """The median of [value, weight, ...] observations, each counted `weight` times up to
+    ROUNDS_COUNTED (a request's seconds per round, by its rounds)."""
     ordered = sorted(observations)
-    half = sum(o[1] for o in ordered) / 2
+    half = sum(min(o[1], ROUNDS_COUNTED) for o in ordered) / 2
     seen = 0.0
     for i, (value, weight, *_) in enumerate(ordered):
-        seen += weight
+        seen += min(weight, ROUNDS_COUNTED)
         if seen > half + 1e-9:
             return value
         if abs(seen - half) <= 1e-9:  # exactly half below: between this value and the next

@@ -39,16 +39,21 @@ def request_features(ids: list[int], max_new_tokens: int, sampling: SamplingPara
     }
 
 
-def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int], float] | None = None,
-                    exact_weight: float = 0.5, extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
+def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int], float | None] | None = None,
+                    verify_cost: Callable[[int], float | None] | None = None, exact_weight: float = 0.5,
+                    extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
     """Estimated rewards of (same drafter, other K) from one request run at constant K.
 
     Per round, K drafts yield 1 + sum_{i<K} S_i tokens, S_i being the share of rounds whose
     first i+1 drafts were all accepted (measured per position), at the cost of a K-token draft
     round plus one verify. For K' < K every S_i is measured; for K' > K the last conditional
     acceptance is extended geometrically, so those estimates get less weight. `round_cost(k)`
-    (the cost model's seconds of a k-token round) says how draft cost grows with K, scaled to
-    this request's own rounds; without it, K steps at this request's mean step cost.
+    (the cost model's seconds of a k-token round) says how draft cost grows with K, and
+    `verify_cost(tokens)` (its seconds of a verify of that many tokens after this drafter) how
+    the verify grows, both scaled to this request's own rounds; without them, K steps at this
+    request's mean step cost and a verify that costs the same at every K. A verify of 9 tokens
+    costs about 1.3x one of 5 on the demo family, and priced alike, every request at K=4 told
+    the policy K=8 was faster than measurement said.
     """
     if arm.is_off or not metrics.draft_steps or not metrics.rounds:
         return {}
@@ -56,24 +61,43 @@ def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int],
     if len(survival) < arm.k or not survival[0]:
         return {}
     step = survival[-1] / survival[-2] if len(survival) > 1 and survival[-2] > 0 else survival[0]
-    verify_cost = metrics.verify_s / metrics.rounds
     needed = {arm.k, *ks}
-    if round_cost is not None and metrics.draft_rounds and round_cost(arm.k) > 0:
-        scale = metrics.draft_s / metrics.draft_rounds / round_cost(arm.k)
-        draft_cost = {k: scale * round_cost(k) for k in needed}
+    if round_cost is not None and metrics.draft_rounds and (here_cost := round_cost(arm.k)):
+        scale = metrics.draft_s / metrics.draft_rounds / here_cost
+        draft_cost = {k: scale * (round_cost(k) or 0.0) for k in needed}
     else:
         draft_cost = {k: k * metrics.draft_s / metrics.draft_steps for k in needed}
+    verify_per_round = {k: metrics.verify_s / metrics.rounds for k in needed}
+    widths = {w: rounds for w, (_, rounds) in metrics.verify_by_width.items() if rounds}
+    if verify_cost is not None and widths:
+        modelled = {k: _verify_seconds(widths, arm.k, k, verify_cost) for k in needed}
+        if all(v is not None for v in modelled.values()) and modelled[arm.k] > 0:
+            verify_per_round = {k: verify_per_round[k] * modelled[k] / modelled[arm.k] for k in needed}
 
     def rate(k: int) -> float:
         accepted = sum(survival[i] if i < len(survival) else survival[-1] * step ** (i - len(survival) + 1)
                        for i in range(k))
-        return (1 + accepted) / (draft_cost[k] + verify_cost)
+        return (1 + accepted) / (draft_cost[k] + verify_per_round[k])
 
     here = rate(arm.k)
     return {
         f"{arm.drafter}:{k}": (reward * rate(k) / here, exact_weight if k < arm.k else extrapolated_weight)
         for k in ks if k != arm.k
     }
+
+
+def _verify_seconds(widths: dict[int, int], k: int, other_k: int,
+                    verify_cost: Callable[[int], float | None]) -> float | None:
+    """Modelled verify seconds of a request's rounds (`widths`: tokens per verify -> rounds, at K
+    = `k`) had they drafted up to `other_k`: a round that drafted all k drafts `other_k`, one
+    that drafted fewer (a lookup that found a short match) as many, up to `other_k`."""
+    total = 0.0
+    for width, rounds in widths.items():
+        cost = verify_cost(other_k + 1 if width - 1 >= k else min(width, other_k + 1))
+        if cost is None:
+            return None
+        total += rounds * cost
+    return total
 
 
 class GpuMonitor:

@@ -65,6 +65,11 @@ class Policy(ABC):
     def update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
         """Learn from one served request; stateless policies ignore it."""
 
+    def worth_replaying(self, context: Context) -> list[Arm]:
+        """The arms whose replayed estimates on a request of `context` could change a decision:
+        every arm unless the policy knows some cannot be best there."""
+        return list(self.arms)
+
     def schedule(self, context: Context, arm: Arm) -> KSchedule | None:
         """How K moves inside the request; None keeps the arm's K."""
         return None

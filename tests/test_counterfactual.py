@@ -108,6 +108,16 @@ def test_a_burst_of_other_work_moves_no_cost_and_no_verify_is_priced_below_a_ste
     assert costs.verify_cost(3) == pytest.approx(0.012)
 
 
+def test_one_long_request_cannot_outvote_several_short_ones():
+    """Calibration measures OFF on three short runs; a process's first OFF request, long and cold,
+    ran 1.3x slower: counted by all its rounds it set the step every reward was priced by."""
+    costs = CostModel()
+    for _ in range(3):
+        verified(costs, 1, 0.003, rounds=16)
+    verified(costs, 1, 0.004, rounds=63)
+    assert costs.off_step() == pytest.approx(0.003)
+
+
 def test_only_rounds_that_drafted_nothing_price_an_off_step():
     """A 1-token verify among drafting rounds finds the target's weights evicted by the drafter:
     dearer than an OFF step, it would make wider verifies look cheap and rewards too high."""

@@ -305,7 +305,37 @@ def test_sibling_estimates_follow_the_speculation_model():
     rate.update({1: 1.8 / 0.0116, 8: (3.0 + 0.1 + 0.05 + 0.025 + 0.0125) / 0.0172})
     for k in (1, 8):
         assert est[f"small:{k}"][0] == pytest.approx(2.0 * rate[k] / rate[4])
+    # A verify grows with its tokens (the cost model's 8 + n ms, this request's 10 ms at 5 tokens):
+    # at K=8 a round verifies 9 tokens, 10 x 17/13 ms; at K=1 2 tokens, 10 x 10/13 ms. A round
+    # that drafted fewer (a lookup's short match) verifies as many at K=8 and at most 2 at K=1.
+    m.verify_by_width = {5: [0.8, 80], 3: [0.2, 20]}
+    est = sibling_rewards(m, Arm("small", 4), 2.0, ks=[1, 8], round_cost=lambda k: 0.5e-3 * (1 + k),
+                          verify_cost=lambda n: 1e-3 * (8 + n))
+    modelled = {4: 80 * 13 + 20 * 11, 1: 100 * 10, 8: 80 * 17 + 20 * 11}
+    verify = {k: 0.010 * modelled[k] / modelled[4] for k in (1, 4, 8)}
+    draft = {1: 1.6e-3, 4: 4e-3, 8: 7.2e-3}
+    tokens = {1: 1.8, 4: 3.0, 8: 3.0 + 0.1 + 0.05 + 0.025 + 0.0125}
+    for k in (1, 8):
+        expected = 2.0 * (tokens[k] / (draft[k] + verify[k])) / (tokens[4] / (draft[4] + verify[4]))
+        assert est[f"small:{k}"][0] == pytest.approx(expected)
+    assert est["small:8"][0] < 2.0 * rate[8] / rate[4]  # below the estimate of a verify that costs the same
     assert sibling_rewards(m, OFF, 1.0, ks=[1, 2]) == {}
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
+def test_only_arms_that_could_still_win_are_worth_replaying(name):
+    """A replay costs a forward per drafter model: an arm every class has found far slower is left
+    out, in a new class too (what the others learned), while arms without evidence stay in."""
+    policy = make_policy(name, ARMS)
+    rng = random.Random(0)
+    for request_class in ("code", "docs"):
+        for _ in range(20):
+            for arm, mean in ((Arm("small", 4), 1.5), (Arm("small", 8), 0.6)):
+                policy.update(Context(request_class), arm, Outcome(100.0, mean + rng.gauss(0, 0.05)))
+    for request_class in ("code", "chat"):
+        worth = policy.worth_replaying(Context(request_class))
+        assert OFF in worth and Arm("small", 4) in worth and Arm("ngram", 3) in worth
+        assert Arm("small", 8) not in worth
 
 
 def test_a_class_whose_own_evidence_disagrees_with_the_others_follows_its_own():
