@@ -7,6 +7,7 @@ error.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -70,6 +71,7 @@ def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int],
     verify_per_round = {k: metrics.verify_s / metrics.rounds for k in needed}
     widths = {w: rounds for w, (_, rounds) in metrics.verify_by_width.items() if rounds}
     if verify_cost is not None and widths:
+        verify_cost = functools.cache(verify_cost)  # each K asks for the same few widths: a median each
         modelled = {k: _verify_seconds(widths, arm.k, k, verify_cost) for k in needed}
         if all(v is not None for v in modelled.values()) and modelled[arm.k] > 0:
             verify_per_round = {k: verify_per_round[k] * modelled[k] / modelled[arm.k] for k in needed}
