@@ -97,7 +97,7 @@ def _serving_engine(args):
 def cmd_serve(args) -> None:
     from autotune.classifier import RequestClassifier
     from autotune.controller import AutotuneController
-    from autotune.server import CompletionServer
+    from autotune.server import CompletionServer, ServerLimits
     from store import Store
 
     engine = _serving_engine(args)
@@ -105,19 +105,24 @@ def cmd_serve(args) -> None:
     with Store(args.db, label="serve") as store, AutotuneController(
             engine, store, policy=args.policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
             classifier=RequestClassifier.from_store(store)) as controller:  # classes of the store's labelled history
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
+                              max_connections=args.max_connections, max_requests=args.max_requests)
         server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
                                   api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
-                                  max_metric_classes=args.max_metric_classes)
+                                  max_metric_classes=args.max_metric_classes, limits=limits,
+                                  allowed_origins=tuple(args.allowed_origins))
         print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
               f" batches of up to {args.max_batch}, {args.prefix_cache_tokens} prompt tokens kept a model);"
-              f" store {store.url}; Ctrl-C stops", flush=True)
-        signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: as Ctrl-C
+              f" store {store.url}; Ctrl-C or SIGTERM stops", flush=True)
+        # uvicorn stops on SIGINT or SIGTERM (requests in flight get their grace), then raises the
+        # signal again for the handler it found: here KeyboardInterrupt for both, so the controller's
+        # `with` saves what it learned before the process ends.
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             server.serve_forever()
         except KeyboardInterrupt:
-            print("stopping: what the controller learned is saved")
-        finally:
-            server.server_close()
+            pass
+        print("stopping: saving what the controller learned", flush=True)
 
 
 def _interrupt(signum, frame) -> None:
@@ -294,7 +299,17 @@ def _bench_prefix(args, engine, bench) -> dict:
 def _bench_clients(args, engine, bench) -> dict:
     clients, per_client = (8, 2) if args.quick else (args.clients, 4)
     run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
-    return run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2)
+    others = {} if args.what == "concurrency" else dict(_named(item) for item in args.compare_url or ())
+    extra = {"others": others} if others else {}
+    return run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2,
+               **extra)
+
+
+def _named(item: str) -> tuple[str, str]:
+    name, sep, url = item.partition("=")
+    if not sep or not name or not url.startswith("http"):
+        raise SystemExit(f"--compare-url takes NAME=URL (e.g. old=http://127.0.0.1:8001), got {item!r}")
+    return name, url
 
 
 def _every_arm(engine, ks) -> list:
@@ -490,6 +505,17 @@ def build_parser() -> argparse.ArgumentParser:
                                       " (default: $AUTOTUNE_API_KEY; none: open)")
     p.add_argument("--max-metric-classes", type=at_least(1), default=100, metavar="N",
                    help="/metrics labels at most N request classes; the others are summed as __other__")
+    p.add_argument("--allowed-origins", nargs="*", default=["*"], metavar="ORIGIN",
+                   help="CORS: origins whose browser pages may call the server (vLLM's default: any)")
+    p.add_argument("--max-body-bytes", type=at_least(1), default=8 << 20, metavar="N",
+                   help="a request body longer than this (8 MiB) is refused (413) before it is read")
+    p.add_argument("--head-timeout", type=float, default=15.0, metavar="SECONDS",
+                   help="a connection that has not sent its request's line and headers by then is closed")
+    p.add_argument("--max-connections", type=at_least(0), default=0, metavar="N",
+                   help="open connections at most; past it the one idle longest is closed (0: what the process's"
+                        " descriptor limit leaves, at most 10,000)")
+    p.add_argument("--max-requests", type=at_least(1), default=4096, metavar="N",
+                   help="requests in flight at most; past it a 503")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
 
@@ -536,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-size", type=at_least(1), default=16, help="bench controller: requests per burst")
     p.add_argument("--clients", type=at_least(1), default=16,
                    help="bench concurrency, serve, prefix: client threads, each sending 4 requests one after another")
+    p.add_argument("--compare-url", action="append", metavar="NAME=URL",
+                   help="bench serve: also serve the same clients from a server started elsewhere (e.g. another"
+                        " build of autotune serve, on the same family), in the same turns")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--many-classes", type=at_least(2), metavar="N",

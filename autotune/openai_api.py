@@ -1,5 +1,5 @@
-"""OpenAI's completion and chat completion bodies: checked into requests for the controller,
-and its results written back in OpenAI's shapes. No HTTP here (that is server.py).
+"""OpenAI's completion and chat completion bodies as pydantic models, checked into requests for
+the controller, and its results written back in OpenAI's shapes. No HTTP here (that is server.py).
 
 Fields, both endpoints: `max_tokens`, `temperature` (default 1), `top_p`, `n`, `stop`, `seed`,
 `presence_penalty`, `frequency_penalty`, `logit_bias`, `stream`,
@@ -13,7 +13,8 @@ tokenizer's chat template, `logprobs` true with `top_logprobs` N, `max_completio
 and by default as many tokens as the context leaves (vLLM's). With a `seed`, choice j of a
 prompt draws from `seed + j`, so choice 0 is the output the request gets with `n` = 1. A
 stream carries logprobs too, each chunk those of the tokens behind its text (not the prompt's
-with echo). Every refusal names the field.
+with echo). Other fields are ignored with a debug log, as vLLM does; every refusal names the
+field (`BadRequest.from_validation`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import logging
 import re
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from autotune.controller import ControlledResult
 from engine.sampling import SEED_RANGE
@@ -31,15 +35,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's, for completions
 MAX_LOGPROBS = 20  # OpenAI's
 MAX_N = 128  # OpenAI's bound on choices per prompt
-VLLM_FIELDS = {"top_k": int, "min_p": (int, float), "repetition_penalty": (int, float), "min_tokens": int,
-               "ignore_eos": bool, "stop_token_ids": list, "include_stop_str_in_output": bool,
-               "skip_special_tokens": bool, "allowed_token_ids": list, "bad_words": (str, list)}
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "stream", "stream_options", "user", "request_class", *VLLM_FIELDS)
-COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "logprobs", "echo", "best_of", "suffix", "add_special_tokens")
-CHAT_FIELDS = (*COMMON_FIELDS, "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_special_tokens",
-               "add_generation_prompt")
-TOKENIZE_FIELDS = ("model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs")
+VLLM_FIELDS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+               "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "bad_words")
 
 
 class BadRequest(Exception):
@@ -48,6 +45,28 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
         super().__init__(message)
         self.param, self.status = param, status
+
+    @classmethod
+    def from_validation(cls, errors: list[dict]) -> BadRequest:
+        """The first of pydantic's errors (`ValidationError.errors()`, or FastAPI's, whose
+        locations start with "body") as a refusal naming its field: "n: Input should be less
+        than or equal to 128, got 300"."""
+        error = errors[0]
+        loc = [str(part) for part in error["loc"] if part != "body"]
+        if error["type"] == "json_invalid":
+            return cls(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}")
+        if not loc and error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            return cls("the body must be a JSON object")
+        where = ".".join(loc)
+        if error["type"] == "missing":
+            return cls(f"{where} is required", loc[0])
+        if error["type"] == "value_error":  # this module's own words, which begin with the field they refuse
+            message = error["msg"].removeprefix("Value error, ")
+            first = message.split(" ", 1)[0]
+            return cls(message, loc[0] if loc else first if first in _FIELDS else None)
+        shown = repr(error.get("input"))  # pydantic's words: say which field and what it got
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return cls(f"{where}: {error['msg']}, got {shown}", loc[0])
 
     def body(self) -> dict:
         kind = ("authentication_error" if self.status == HTTPStatus.UNAUTHORIZED else "invalid_request_error"
@@ -63,8 +82,7 @@ def refused(exc: Exception, chat: bool) -> BadRequest:
     found = re.match(r"(?:the )?([a-z_]+)", str(exc))
     word = found.group(1) if found else ""
     param = {"max_new_tokens": "max_tokens", "prompt": "messages" if chat else "prompt"}.get(word, word)
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    return BadRequest(str(exc), param if param in known else None)
+    return BadRequest(str(exc), param if param in _FIELDS else None)
 
 
 @dataclass(frozen=True)
@@ -101,21 +119,6 @@ class ApiRequest:
                 for prompt in self.prompts for j in range(self.n)]
 
 
-def _kinds(kinds) -> tuple[type, ...]:
-    return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _get(body: dict, name: str, kinds, default=None):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _kinds(kinds)):
-        names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-                 dict: "an object"}
-        raise BadRequest(f"{name} must be {' or '.join(names[k] for k in _kinds(kinds))}, got {value!r}", name)
-    return value
-
-
 # Fields asking for what this server does not serve (tool calls, structured output): ignored, the
 # answer would not be what was asked, so they are refused unless their value asks for nothing.
 UNSERVED = {
@@ -127,30 +130,129 @@ UNSERVED = {
 }
 
 
-def _check_fields(body, known: tuple[str, ...]) -> None:
-    """Other fields are ignored with a debug log, as vLLM does: clients send their own (the OpenAI
+class OpenAIBody(BaseModel):
+    """A body's known fields, typed strictly (no "3" for 3, no true for 1); other fields are
+    kept aside and ignored with a debug log, as vLLM does: clients send their own (the OpenAI
     SDK's `store`, `metadata`; vLLM's `priority`, `chat_template_kwargs`)."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    for name, asks_nothing in UNSERVED.items():
-        if name in body and not asks_nothing(body[name]):
-            raise BadRequest(f"{name} is not served: this server makes no tool calls and no structured output"
-                             " (a logits_processor does grammars through the library)", name)
-    if ignored := sorted(set(body) - set(known) - set(UNSERVED)):
-        logger.debug("ignored field(s) %s; this endpoint takes %s", ignored, sorted(known))
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, body: Any) -> Any:
+        if isinstance(body, dict):
+            for name, asks_nothing in UNSERVED.items():
+                if name in body and not asks_nothing(body[name]):
+                    raise ValueError(f"{name} is not served: this server makes no tool calls and no structured"
+                                     " output (a logits_processor does grammars through the library)")
+        return body
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> OpenAIBody:
+        if ignored := sorted(set(self.model_extra or ()) - set(UNSERVED)):
+            logger.debug("ignored field(s) %s; this endpoint takes %s", ignored, sorted(type(self).model_fields))
+        return self
+
+    @classmethod
+    def parse(cls, body: Any):
+        """`body` checked, or the BadRequest naming the field refused."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as exc:
+            raise BadRequest.from_validation(exc.errors()) from None
 
 
-def _prompts(value) -> tuple[str | tuple[int, ...], ...]:
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    include_usage: bool = False
+
+
+class SamplingBody(OpenAIBody):
+    """The fields both generating endpoints share."""
+
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = 1.0
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    request_class: str | None = None
+    add_special_tokens: bool | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: str | list[str] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None and not all(key.lstrip("-").isdigit() for key in value):
+            raise ValueError("logit_bias must map token ids to numbers")
+        return value
+
+    @model_validator(mode="after")
+    def _seed_per_choice(self) -> SamplingBody:
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - (self.n - 1):
+            raise ValueError(f"seed must be a 64-bit signed int (choice j draws from seed + j), got {self.seed}"
+                             f" with n={self.n}")
+        return self
+
+    def request(self, prompts: tuple, max_tokens: int | None, logprobs: int | None, chat: bool,
+                echo: bool = False) -> ApiRequest:
+        """The checked request: what pydantic cannot check field by field, and the controller's
+        keyword arguments."""
+        if max_tokens == 0 and (not echo or self.stream or chat):
+            raise BadRequest("max_tokens 0 scores a prompt: a completion with echo, not streamed", "max_tokens")
+        if max_tokens is not None and max_tokens < 0:
+            raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+        if self.stream and echo and logprobs is not None:
+            raise BadRequest("the prompt's logprobs (echo with logprobs) are not streamed: ask for them without"
+                             " stream", "logprobs")
+        stop = self.stop or ()
+        options = {"stop": (stop,) if isinstance(stop, str) else tuple(stop),
+                   "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                   "logit_bias": {int(token): bias for token, bias in (self.logit_bias or {}).items()}}
+        if logprobs is not None:
+            options["logprobs"] = logprobs
+            if echo:
+                options["prompt_logprobs"] = logprobs
+        options |= {name: getattr(self, name) for name in VLLM_FIELDS if getattr(self, name) is not None}
+        return ApiRequest(
+            prompts=prompts, chat=chat, n=self.n, max_tokens=max_tokens, temperature=self.temperature,
+            top_p=self.top_p, seed=self.seed, stream=self.stream,
+            include_usage=self.stream_options is not None and self.stream_options.include_usage, echo=echo,
+            logprobs=logprobs, add_special_tokens=not chat if self.add_special_tokens is None
+            else self.add_special_tokens, request_class=self.request_class, options=options,
+        )
+
+
+def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     """OpenAI's four prompt forms: text, token ids, a list of texts, a list of token id lists."""
     def ids(items) -> tuple[int, ...]:
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-            raise BadRequest("prompt must be a string, a list of token ids, or a list of either", "prompt")
+            raise ValueError("prompt must be a string, a list of token ids, or a list of either")
         return tuple(items)
 
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not value:
-        raise BadRequest("prompt is required: a string, a list of token ids, or a non-empty list of either", "prompt")
+        raise ValueError("prompt is required: a string, a list of token ids, or a non-empty list of either")
     if all(isinstance(p, str) for p in value):
         return tuple(value)
     if all(isinstance(p, list) for p in value):
@@ -158,139 +260,134 @@ def _prompts(value) -> tuple[str | tuple[int, ...], ...]:
     return (ids(value),)
 
 
-def _messages(value) -> list[dict]:
-    """Chat messages with text content (a string, or OpenAI's list of text parts, joined)."""
-    if not isinstance(value, list) or not value:
-        raise BadRequest("messages is required: a non-empty list of {role, content}", "messages")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
-        content = message.get("content")
-        if content is None:  # an assistant turn that made a tool call, in an agent's history
-            content = ""
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": message["role"], "content": content})
-    return out
+class CompletionRequest(SamplingBody):
+    """A /v1/completions body."""
+
+    prompt: Any = None
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_forms(cls, value: Any) -> tuple:
+        if value is None:
+            raise ValueError("prompt is required")
+        return _prompts(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_present(cls, body: Any) -> Any:
+        if isinstance(body, dict) and "prompt" not in body:
+            raise ValueError("prompt is required")
+        return body
+
+    @model_validator(mode="after")
+    def _served_forms(self) -> CompletionRequest:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported (no fill-in-the-middle)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of other than n is not supported (as in vLLM V1), got {self.best_of}"
+                             f" with n={self.n}")
+        return self
+
+    def checked(self) -> ApiRequest:
+        return self.request(self.prompt, self.max_tokens, self.logprobs, chat=False, echo=self.echo)
 
 
-def _common(body: dict, prompts: tuple, max_tokens: int | None, logprobs: int | None, chat: bool,
-            echo: bool = False) -> ApiRequest:
-    """The fields both endpoints share, checked."""
-    n = _get(body, "n", int, 1)
-    if not 1 <= n <= MAX_N:
-        raise BadRequest(f"n must be in 1..{MAX_N}, got {n}", "n")
-    seed = _get(body, "seed", int)
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1] - (n - 1):
-        raise BadRequest(f"seed must be a 64-bit signed int (choice j draws from seed + j), got {seed} with n={n}",
-                         "seed")
-    stream = _get(body, "stream", bool, False)
-    if max_tokens == 0 and (not echo or stream or chat):
-        raise BadRequest("max_tokens 0 scores a prompt: a completion with echo, not streamed", "max_tokens")
-    if max_tokens is not None and max_tokens < 0:
-        raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
-    if stream and echo and logprobs is not None:
-        raise BadRequest("the prompt's logprobs (echo with logprobs) are not streamed: ask for them without stream",
-                         "logprobs")
-    stop = _get(body, "stop", (str, list), ())
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
-    options = {"stop": stop, "presence_penalty": _get(body, "presence_penalty", (int, float), 0.0),
-               "frequency_penalty": _get(body, "frequency_penalty", (int, float), 0.0)}
-    if logprobs is not None:
-        options["logprobs"] = logprobs
-        if echo:
-            options["prompt_logprobs"] = logprobs
-    try:
-        options["logit_bias"] = {int(token): float(bias) for token, bias in _get(body, "logit_bias", dict, {}).items()}
-    except (TypeError, ValueError):
-        raise BadRequest("logit_bias must map token ids to numbers", "logit_bias") from None
-    for name, kinds in VLLM_FIELDS.items():
-        if body.get(name) is not None:
-            options[name] = _get(body, name, kinds)
-    return ApiRequest(
-        prompts=prompts, chat=chat, n=n, max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)), seed=seed, stream=stream,
-        include_usage=bool(_get(body, "stream_options", dict, {}).get("include_usage", False)), echo=echo,
-        logprobs=logprobs, add_special_tokens=_get(body, "add_special_tokens", bool, not chat),
-        request_class=_get(body, "request_class", str), options=options,
-    )
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: Literal["text"]
+    text: str
 
 
-def parse_completion(body) -> ApiRequest:
-    """Check a /v1/completions body."""
-    _check_fields(body, COMPLETION_FIELDS)
-    if "prompt" not in body:
-        raise BadRequest("prompt is required", "prompt")
-    if body.get("suffix") is not None:
-        raise BadRequest("suffix is not supported (no fill-in-the-middle)", "suffix")
-    n = _get(body, "n", int, 1)
-    if (best_of := _get(body, "best_of", int, n)) != n:
-        raise BadRequest(f"best_of other than n is not supported (as in vLLM V1), got {best_of} with n={n}", "best_of")
-    logprobs = _get(body, "logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise BadRequest(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}", "logprobs")
-    return _common(body, _prompts(body["prompt"]), _get(body, "max_tokens", int, DEFAULT_MAX_TOKENS), logprobs,
-                   chat=False, echo=_get(body, "echo", bool, False))
+class ChatMessage(BaseModel):
+    """A chat turn with text content: a string, OpenAI's list of text parts (joined), or null
+    (an assistant turn that made a tool call, in an agent's history: empty)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
 
 
-def parse_chat(body, tokenizer) -> ApiRequest:
-    """Check a /v1/chat/completions body; its messages become one prompt through the
-    tokenizer's chat template, with the assistant's turn opened."""
-    _check_fields(body, CHAT_FIELDS)
-    prompt = _chat_prompt(body, tokenizer)
-    top = _get(body, "top_logprobs", int)
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise BadRequest(f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {top}", "top_logprobs")
-    if top is not None and not body.get("logprobs"):
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    logprobs = (top or 0) if _get(body, "logprobs", bool, False) else None
-    max_tokens = _get(body, "max_completion_tokens", int, _get(body, "max_tokens", int))
-    return _common(body, (prompt,), max_tokens, logprobs, chat=True)
+class ChatTemplated(OpenAIBody):
+    """Messages that become one prompt through the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+    def prompt(self, tokenizer) -> str:
+        """The messages through the tokenizer's chat template, the assistant's turn opened
+        unless `add_generation_prompt` is false."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRequest("this model's tokenizer has no chat template: send a prompt to /v1/completions",
+                             "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                                 tokenize=False)
+        except Exception as exc:  # the template's own check (e.g. roles that must alternate)
+            raise BadRequest(f"the chat template refused these messages: {exc}", "messages") from None
 
 
-def _chat_prompt(body: dict, tokenizer) -> str:
-    """The body's messages through the tokenizer's chat template, the assistant's turn opened
-    unless `add_generation_prompt` is false."""
-    messages = _messages(body.get("messages"))
-    if not getattr(tokenizer, "chat_template", None):
-        raise BadRequest("this model's tokenizer has no chat template: send a prompt to /v1/completions", "messages")
-    opened = _get(body, "add_generation_prompt", bool, True)
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=opened, tokenize=False)
-    except Exception as exc:  # the template's own check (e.g. roles that must alternate)
-        raise BadRequest(f"the chat template refused these messages: {exc}", "messages") from None
+class ChatCompletionRequest(ChatTemplated, SamplingBody):
+    """A /v1/chat/completions body: by default as many tokens as the context leaves (vLLM's)."""
+
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def checked(self, tokenizer) -> ApiRequest:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.request((self.prompt(tokenizer),), max_tokens, logprobs, chat=True)
 
 
-def parse_tokenize(body, tokenizer) -> tuple[str, bool, bool]:
-    """Check vLLM's /tokenize body: the text to tokenize (a `prompt`, or `messages` through the
-    chat template), whether the tokenizer adds its special tokens (by default as the
-    completion endpoints do), and whether to answer each token's string too."""
-    _check_fields(body, TOKENIZE_FIELDS)
-    if ("prompt" in body) == ("messages" in body):
-        raise BadRequest("send either a prompt or messages", "prompt")
-    chat = "messages" in body
-    text = _chat_prompt(body, tokenizer) if chat else _get(body, "prompt", str)
-    if text is None:
-        raise BadRequest("prompt must be a string", "prompt")
-    return text, _get(body, "add_special_tokens", bool, not chat), _get(body, "return_token_strs", bool, False)
+class TokenizeRequest(OpenAIBody):
+    """vLLM's /tokenize body: a `prompt`, or `messages` through the chat template; the
+    tokenizer's special tokens added by default as the completion endpoints add them."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either a prompt or messages")
+        return self
+
+    def text(self, tokenizer) -> str:
+        if self.messages is None:
+            return self.prompt
+        return ChatTemplated(messages=self.messages, add_generation_prompt=self.add_generation_prompt).prompt(tokenizer)
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.messages is None if self.add_special_tokens is None else self.add_special_tokens
 
 
-def parse_detokenize(body, vocab_size: int) -> list[int]:
-    """Check vLLM's /detokenize body: its `tokens`, ids in the model's vocabulary."""
-    _check_fields(body, ("model", "tokens"))
-    tokens = _get(body, "tokens", list)
-    if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise BadRequest("tokens is required: a list of token ids", "tokens")
-    if bad := [t for t in tokens if not 0 <= t < vocab_size]:
-        raise BadRequest(f"token ids out of the vocabulary (0..{vocab_size - 1}): {bad[:5]}", "tokens")
-    return tokens
+class DetokenizeRequest(OpenAIBody):
+    """vLLM's /detokenize body: token ids."""
+
+    tokens: list[int]
 
 
 def envelope(request: ApiRequest, request_id: str, model: str, created: int, choices: list[dict],
@@ -377,3 +474,6 @@ def _chat_logprobs(tokenizer, ids: list[int], entries: list[dict[int, float]], t
     return {"content": [{**token(t, entry[t]), "top_logprobs": [token(u, lp) for u, lp in
                                                                sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
                         for t, entry in zip(ids, entries)]}
+
+
+_FIELDS = {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields, *UNSERVED}

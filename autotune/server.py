@@ -1,190 +1,228 @@
-"""An OpenAI-compatible HTTP server in front of the controller: `autotune serve`.
+"""An OpenAI-compatible server in front of the controller: `autotune serve`, on FastAPI and uvicorn.
 
 Clients written for vLLM, SGLang or OpenAI's API send `POST /v1/completions` or
-`/v1/chat/completions` (fields: openai_api.py) and get the controller's output, with the arm
-and request class it chose in each choice's `autotune` field (vLLM's `/tokenize` and
-`/detokenize` show the token ids those endpoints serve). Each HTTP request is handled on
-a thread of its own and each of its choices (its prompts times `n`) is one
-`controller.generate` call, on a few threads of its own too (at most the controller's
-`in_flight`), so choices and requests that arrive together are batched by the controller's
-coalescer (`max_batch`). Anything refused (an
-unknown field, a value of the wrong type, an empty prompt, one longer than the context, ...)
-gets OpenAI's error body naming the problem before anything is decoded or streamed.
-Standard library only (http.server): nothing new to install and nothing in the decode loop.
+`/v1/chat/completions` (bodies: openai_api.py's pydantic models) and get the controller's
+output, with the arm and request class it chose in each choice's `autotune` field (vLLM's
+`/tokenize` and `/detokenize` show the token ids those endpoints serve). Each choice (a
+prompt times `n`) is one `controller.agenerate` call, at most the controller's `in_flight` of
+one HTTP request at a time, so choices and requests that arrive together are batched by the
+controller's coalescer (`max_batch`); a client that disconnects has its requests stopped at
+their next round, as vLLM aborts them. Anything refused gets OpenAI's error body naming the
+field before anything is decoded or streamed. `/metrics` has vLLM's series and the
+controller's own (prometheus.py).
+
+Bounded (`ServerLimits`): a body's size is checked before it is read, and it must arrive in
+time; a connection must send its request's head in time; past `max_connections` the idlest
+connection is closed to let a new one in; past `max_requests` requests in flight, a 503.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import hmac
 import json
 import logging
-import queue
 import re
-import selectors
+import resource
 import socket
 import threading
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import h11
 import torch
+import uvicorn
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from autotune.controller import AutotuneController, ControlledResult
 from autotune.inspect_store import policy_table
 from autotune.openai_api import (
     ApiRequest,
     BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chunk_choice,
     chunk_logprobs,
     envelope,
-    parse_chat,
-    parse_completion,
-    parse_detokenize,
-    parse_tokenize,
     prompt_text,
     refused,
     response_choice,
     usage,
 )
-from autotune.prometheus import RequestClock, ServedCounters
+from autotune.prometheus import RequestClock, ServedMetrics
 from engine import OFF, InvalidRequestError, SamplingParams
 from store import StoreError
 
 logger = logging.getLogger(__name__)
-MAX_BODY_BYTES = 32 << 20  # a body is read whole before it is checked
 _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whitespace, a half character
+POLICY_PAGE = 100  # rows of /v1/autotune/policy at most per call: its cost grows with the keys shown
 
 
-class HangUpWatcher:
-    """One thread that waits on the connections of every client waiting for its answer and,
-    when one hangs up, calls what its handler gave (which stops its requests at their next
-    round, as vLLM aborts the requests of a client that disconnects). One thread, not each
-    handler polling its own connection: at every 50 ms, 1,024 waiting clients made 20,000
-    wake-ups a second, and a probe's decode loop ran at 0.4x. A connection is watched with epoll
-    (`selectors`), which, unlike `select`, takes any descriptor."""
+def _descriptor_budget() -> int:
+    """Connections a server may hold: what the process's descriptor limit leaves, at most 10,000."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(10_000, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - 256))
 
-    def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._closed = threading.Event()
 
-    def watch(self, connection: socket.socket, hung_up: Callable[[], None]) -> None:
-        with self._lock:
-            self._selector.register(connection, selectors.EVENT_READ, hung_up)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hang-up-watcher", daemon=True)
-                self._thread.start()
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client can hold of the server. A connection that has not sent its request's
+    head (line and headers) within `head_timeout_s` of opening, or of its last answer, is
+    closed (a slow or idle client); a body must arrive within `body_timeout_s` and be at most
+    `max_body_bytes` (checked before it is read when its length is stated); past
+    `max_connections` open connections the one idle longest is closed; past `max_requests`
+    requests in flight, new ones get a 503. With no read deadline and a thread per
+    connection, 20,000 idle connections once hung the hand-written server for good."""
 
-    def unwatch(self, connection: socket.socket) -> None:
-        with self._lock:
+    max_body_bytes: int = 8 << 20  # 8 MiB: dozens of prompts filling a 32k context; a 30 MB prompt is never read
+    head_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0  # uvicorn's: an idle kept-alive connection is closed after it
+    max_connections: int = 0  # 0: what the descriptor limit leaves (_descriptor_budget)
+    max_requests: int = 4096
+    graceful_shutdown_s: float = 10.0  # a stop waits this long for requests in flight
+
+    def connections(self) -> int:
+        return self.max_connections or _descriptor_budget()
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's head and a cap on open
+    connections. uvicorn arms no timer before a connection's first request, and a client
+    sending its head a byte at a time disarms the keep-alive timer with each byte; each held
+    a connection (a descriptor) for as long as it liked. `limits` and `idle` (the connections
+    waiting for a head, oldest first) are set per server by `bounded_protocol`."""
+
+    limits: ServerLimits
+    idle: collections.OrderedDict
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.connections():
+            if self.idle:  # the connection idle longest makes room
+                oldest, _ = self.idle.popitem(last=False)
+                oldest._close()
+            else:  # every connection is serving a request: this one waits for none of them
+                self._close()
+                return
+        self._await_head()
+
+    def _await_head(self) -> None:
+        self.idle[self] = None
+        self.head_deadline = self.loop.call_later(self.limits.head_timeout_s, self._close)
+
+    def _head_received(self) -> None:
+        self.idle.pop(self, None)
+        if (deadline := getattr(self, "head_deadline", None)) is not None:
+            deadline.cancel()
+            self.head_deadline = None
+
+    def _close(self) -> None:
+        self._head_received()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a request's head came
+            self._head_received()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._await_head()
+
+    def connection_lost(self, exc) -> None:
+        self._head_received()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 could not read (a malformed line or header) refused as OpenAI's JSON error."""
+        body = json.dumps(BadRequest(msg).body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+
+def bounded_protocol(limits: ServerLimits) -> type[BoundedH11Protocol]:
+    """The protocol class of one server (its own limits, its own idle connections)."""
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits, "idle": collections.OrderedDict()})
+
+
+class RequestBudget:
+    """ASGI middleware: past `max_requests` requests in flight, a 503; a body over
+    `max_body_bytes`, a 413 (before it is read when its length is stated, or as a chunked one
+    grows past it); a body that has not arrived within `body_timeout_s`, a 408. (FastAPI's own
+    `max_body_size` answers in plain text, whatever the app's error handlers say.)"""
+
+    def __init__(self, app, limits: ServerLimits) -> None:
+        self.app, self.limits = app, limits
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limits.max_requests:
+            busy = BadRequest(f"the server has {self.in_flight} requests in flight, its limit; retry later",
+                              status=HTTPStatus.SERVICE_UNAVAILABLE)
+            return await _error(busy)(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")  # h11 lets only digits through
+        if length is not None and int(length) > self.limits.max_body_bytes:  # refused unread, as JSON
+            too_long = BadRequest(f"the body is {int(length)} bytes; this server takes at most"
+                                  f" {self.limits.max_body_bytes}", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            return await JSONResponse(too_long.body(), too_long.status, headers={"Connection": "close"})(
+                scope, receive, send)
+        deadline, body_done, received = time.monotonic() + self.limits.body_timeout_s, False, 0
+
+        async def receive_in_time():
+            nonlocal body_done, received
+            if body_done:  # what comes after the body: only the client's going away
+                return await receive()
             try:
-                self._selector.unregister(connection)
-            except (KeyError, ValueError):  # told already (`_run` lets go of it), or closed
-                pass
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise HTTPException(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within"
+                                    f" {self.limits.body_timeout_s:g} s") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            received += len(message.get("body", b""))
+            if received > self.limits.max_body_bytes:
+                raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)  # worded by the app's handler
+            return message
 
-    def close(self) -> None:
-        """Stop watching (within a second) and let go of the selector."""
-        self._closed.set()
-        with self._lock:
-            if self._thread is None:
-                self._selector.close()
-
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            for key, _ in self._selector.select(timeout=1.0):
-                try:  # readable: its end (gone), or more bytes (a next request: still there)
-                    gone = not key.fileobj.recv(1, socket.MSG_PEEK)
-                except OSError:  # reset, or closed meanwhile
-                    gone = True
-                self.unwatch(key.fileobj)  # either way, or it would stay readable
-                if gone:
-                    key.data()
-        self._selector.close()
-
-
-class CompletionServer(ThreadingHTTPServer):
-    """`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`,
-    `/metrics`, `/health` and what the controller learned (`/v1/autotune/policy`) over
-    `controller`, as `model_name`."""
-
-    daemon_threads = True
-    # Connections the kernel may hold before they are accepted (uvicorn's default). With
-    # socketserver's 5, clients connecting together were reset: 19 of 1920 requests from 32
-    # clients in six probes.
-    request_queue_size = 2048
-
-    def __init__(self, controller: AutotuneController, address: tuple[str, int] = ("127.0.0.1", 8000),
-                 model_name: str = "spec-autotune", verbose: bool = False, api_key: str | None = None,
-                 max_metric_classes: int = 100) -> None:
-        if controller.engine.tokenizer is None:
-            raise ValueError("the server needs the engine's tokenizer (text in, text out)")
-        self.controller, self.model_name, self.verbose = controller, model_name, verbose
-        self.api_key = api_key  # vLLM's --api-key: every route but /health then needs `Authorization: Bearer <key>`
-        self.tokenizer = controller.engine.tokenizer
-        self.created = int(time.time())
-        self.counters = ServedCounters(max_metric_classes)
-        self.hang_ups = HangUpWatcher()
-        super().__init__(address, _Handler)
-
-    def server_close(self) -> None:
-        self.hang_ups.close()
-        super().server_close()
-
-    def admit(self, request: ApiRequest) -> tuple[ApiRequest, list[list[int]]]:
-        """The request with its length settled, and its prompts' token ids, or the refusal the
-        controller would give once decoding (so that a streamed request gets its 400 too)."""
-        engine = self.controller.engine
-        ids = [engine.encode(list(p) if isinstance(p, tuple) else p, request.add_special_tokens).tolist()
-               for p in request.prompts]
-        if request.max_tokens is None:  # a chat's default: what the context leaves
-            if engine.max_length is None:
-                raise BadRequest("max_tokens is required: the model states no context length", "max_tokens")
-            if (left := engine.max_length - len(ids[0])) < 1:
-                raise BadRequest(f"the prompt ({len(ids[0])} tokens) fills the model's context of"
-                                 f" {engine.max_length} tokens", "messages")
-            request = dataclasses.replace(request, max_tokens=left)
-        sampling = engine.bad_words_as_ids(SamplingParams(request.temperature, request.top_p, request.seed,
-                                                          **request.options))
-        for one in ids:
-            engine.check_request(len(one), OFF, request.decoded_tokens, sampling)
-        return request, ids
-
-    def serve(self, request: ApiRequest, ids: list[int], seed: int | None, watch: ClientWatch) -> ControlledResult:
-        """One choice, from its prompt's token ids (`admit` encoded them: no second encoding);
-        `watch`, its streamer, times it for the metrics."""
-        self.counters.begin(watch.clock)
+        self.in_flight += 1
         try:
-            result = self.controller.generate(ids, request.request_class, request.decoded_tokens,
-                                              request.temperature, request.top_p, seed, watch, **request.options)
-        except Exception as exc:
-            self.counters.fail(exc)
-            raise
+            await self.app(scope, receive_in_time, send)
         finally:
-            self.counters.end(watch.clock)
-        self.counters.observe(result, watch.clock)
-        return result
+            self.in_flight -= 1
 
 
-class ClientWatch:
-    """The streamer of a choice whose client waits for the whole response: it shows nothing,
-    and raises once `gone` is set (the client hung up), which stops its request at its next
-    round, as vLLM aborts the requests of a client that disconnects. Showing nothing, a request
-    it watches can still be served again alone if its batch fails (`EndsOnce.started`)."""
+class ChoiceClock:
+    """The streamer of a choice whose client waits for the whole response: it shows nothing
+    (so a request it watches can still be served again alone if its batch fails,
+    `EndsOnce.started`) and times the choice's output for the metrics."""
 
     shows_output = False
 
-    def __init__(self, gone: threading.Event) -> None:
-        self.gone = gone
-        self.clock = RequestClock()  # when its output came, for the metrics' latencies
+    def __init__(self) -> None:
+        self.clock = RequestClock()
 
     def put(self, value: torch.Tensor) -> None:
-        if self.gone.is_set():
-            raise ConnectionResetError("the client went away")
         if value.dim() == 2:  # the prompt, [1, prompt_len] (transformers' streamer protocol)
             self.clock.prompt()
         else:
@@ -194,17 +232,17 @@ class ClientWatch:
         pass
 
 
-class TokenEvents(ClientWatch):
+class TokenEvents(ChoiceClock):
     """A streamer (engine/streaming.py) that hands a choice's committed tokens, and their
-    log-probabilities if it asked for them, to the thread answering its client, which turns
-    them into text (`TextDeltas`): the engine's thread, which decodes for the whole batch, only
-    queues them. It raises once `gone` is set (the client went away), which stops its request."""
+    log-probabilities if it asked for them, to the event loop answering its client (`post`
+    is thread-safe), which turns them into text (`TextDeltas`): the engine's thread, which
+    decodes for the whole batch, only posts them."""
 
     shows_output = True
 
-    def __init__(self, index: int, events: queue.Queue, gone: threading.Event) -> None:
-        super().__init__(gone)
-        self.index, self.events = index, events
+    def __init__(self, index: int, post) -> None:
+        super().__init__()
+        self.index, self.post = index, post
         self.entries: list[dict[int, float]] = []  # those of the tokens the next put brings
 
     def put_logprobs(self, entries: list[dict[int, float]]) -> None:
@@ -214,7 +252,7 @@ class TokenEvents(ClientWatch):
         super().put(value)
         if value.dim() == 2:  # the prompt
             return
-        self.events.put(("tokens", self.index, (value.reshape(-1).tolist(), self.entries)))
+        self.post(("tokens", self.index, (value.reshape(-1).tolist(), self.entries)))
         self.entries = []
 
 
@@ -276,294 +314,336 @@ class LogprobDeltas:
         return out
 
 
-POLICY_PAGE = 100  # rows of /v1/autotune/policy at most per call: its cost grows with the keys shown
 
+class CompletionService:
+    """What the routes do, over `controller`, served as `model_name`."""
 
-def _page(query: str) -> tuple[int, int]:
-    """`offset` and `limit` of a /v1/autotune/policy query string, refused by name when bad."""
-    fields = urllib.parse.parse_qs(query)
-    unknown = sorted(set(fields) - {"offset", "limit"})
-    if unknown:
-        raise BadRequest(f"unknown query parameter(s) {unknown}; this route takes offset and limit")
-    values = {}
-    for name, default, low, high in (("offset", 0, 0, None), ("limit", POLICY_PAGE, 1, POLICY_PAGE)):
-        text = fields.get(name, [str(default)])[-1]
-        if not text.isdigit() or int(text) < low or (high is not None and int(text) > high):
-            bound = f"an int from {low}" + (f" to {high}" if high is not None else "")
-            raise BadRequest(f"{name} must be {bound}, got {text!r}", name)
-        values[name] = int(text)
-    return values["offset"], values["limit"]
+    def __init__(self, controller: AutotuneController, model_name: str, max_metric_classes: int = 100) -> None:
+        if controller.engine.tokenizer is None:
+            raise ValueError("the server needs the engine's tokenizer (text in, text out)")
+        self.controller, self.model_name = controller, model_name
+        self.tokenizer = controller.engine.tokenizer
+        self.created = int(time.time())
+        self.metrics = ServedMetrics(model_name, max_metric_classes)
 
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
+                             HTTPStatus.NOT_FOUND)
 
-class _Handler(BaseHTTPRequestHandler):
-    server: CompletionServer
-    server_version = "spec-autotune"
-
-    def log_message(self, format: str, *args) -> None:
-        if self.server.verbose:
-            super().log_message(format, *args)
-
-    def _authorized(self) -> bool:
-        """Every route but /health needs the server's key when it has one (tokenizing and the
-        metrics cost the server too); the answer is sent if not."""
-        key = self.server.api_key
-        # As bytes: compare_digest refuses str with non-ASCII characters (a TypeError, the
-        # connection closed with no answer).
-        sent = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if key is None or self.path == "/health" or hmac.compare_digest(sent, f"Bearer {key}".encode()):
-            return True
-        refused = BadRequest("a valid API key is required: send `Authorization: Bearer <key>`",
-                             status=HTTPStatus.UNAUTHORIZED)
-        self._json(refused.body(), refused.status)
-        return False
-
-    def do_GET(self) -> None:
-        if not self._authorized():
-            return
-        if self.path == "/health":
-            return self._json({"status": "ok"})
-        if self.path == "/metrics":
-            return self._send(self.server.counters.render().encode(), "text/plain; version=0.0.4")
-        if self.path == "/v1/autotune/policy" or self.path.startswith("/v1/autotune/policy?"):
-            return self._policy()
-        if self.path == "/v1/models":
-            model = {"id": self.server.model_name, "object": "model", "created": self.server.created,
-                     "owned_by": "spec-autotune", "max_model_len": self.server.controller.engine.max_length}
-            return self._json({"object": "list", "data": [model]})
-        self._json(BadRequest(f"no route GET {self.path}", status=HTTPStatus.NOT_FOUND).body(), HTTPStatus.NOT_FOUND)
-
-    def do_POST(self) -> None:
-        if not self._authorized():
-            return
+    def admit(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[ApiRequest, list[list[int]]]:
+        """The request checked with its length settled, and its prompts' token ids, or the
+        refusal the controller would give once decoding (so that a streamed request gets its
+        400 too). Runs on a worker thread: templating and tokenizing are CPU work."""
+        self.check_model(body.model)
+        chat = isinstance(body, ChatCompletionRequest)
+        request = body.checked(self.tokenizer) if chat else body.checked()
+        engine = self.controller.engine
         try:
-            if self.path in ("/tokenize", "/detokenize"):
-                return self._json(self._tokens(self._body()))
-            request, ids = self._read()
-        except BadRequest as exc:
-            return self._json(exc.body(), exc.status)
-        except Exception as exc:  # the tokenizer's own failure: the client still gets an answer
-            failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
-            return self._json(failure.body(), failure.status)
-        prefix = "chatcmpl" if request.chat else "cmpl"
-        self.request_id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        if request.stream:
-            return self._stream(request, ids)
-        gone = threading.Event()
-        try:
-            results = self._serve_all(request, ids, gone)
-            if gone.is_set():  # no one to answer; its requests stopped at their next round
-                return
-            choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.server.tokenizer)
-                       for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
+            ids = [engine.encode(list(p) if isinstance(p, tuple) else p, request.add_special_tokens).tolist()
+                   for p in request.prompts]
+            max_tokens = request.max_tokens
+            if max_tokens is None:  # a chat's default: what the context leaves
+                if engine.max_length is None:
+                    raise BadRequest("max_tokens is required: the model states no context length", "max_tokens")
+                if (max_tokens := engine.max_length - len(ids[0])) < 1:
+                    raise BadRequest(f"the prompt ({len(ids[0])} tokens) fills the model's context of"
+                                     f" {engine.max_length} tokens", "messages")
+            request = dataclasses.replace(request, max_tokens=max_tokens)
+            sampling = engine.bad_words_as_ids(SamplingParams(request.temperature, request.top_p, request.seed,
+                                                              **request.options))
+            for one in ids:
+                engine.check_request(len(one), OFF, request.decoded_tokens, sampling)
         except InvalidRequestError as exc:
-            return self._json(refused(exc, request.chat).body(), HTTPStatus.BAD_REQUEST)
-        except Exception as exc:  # the client gets an answer whatever failed
-            failure = BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
-            return self._json(failure.body(), failure.status)
-        self._json({**self._envelope(request, choices), "usage": usage(results, request)})
+            raise refused(exc, chat) from None
+        return request, ids
 
-    def _policy(self) -> None:
-        """What the controller has learned so far, per class and load, as `autotune inspect
-        --json` shows it from the store (saved and flushed first, so it is up to date), a page of
-        `?limit=` rows (at most POLICY_PAGE, the default) from `&offset=`."""
-        controller = self.server.controller
-        if controller.store is None:
-            missing = BadRequest("this server keeps no store, so it has no learned policy to show",
-                                 status=HTTPStatus.NOT_FOUND)
-            return self._json(missing.body(), missing.status)
+    async def serve(self, request: ApiRequest, ids: list[int], seed: int | None, watch: ChoiceClock
+                    ) -> ControlledResult:
+        """One choice, from its prompt's token ids; `watch`, its streamer, times it."""
+        self.metrics.begin(watch.clock)
         try:
-            controller.save()
-        except StoreError as exc:  # what the database refused: told, and the table still shown
-            logger.warning("%s", exc)
-        try:
-            offset, limit = _page(urllib.parse.urlsplit(self.path).query)
-        except BadRequest as exc:
-            return self._json(exc.body(), exc.status)
-        policy = controller.policy.name
-        self._json({"policy": policy, "offset": offset, "limit": limit,
-                    "classes": policy_table(controller.store, policy, offset, limit)})
-
-    def _read(self) -> tuple[ApiRequest, list[list[int]]]:
-        parsers = {"/v1/completions": parse_completion,
-                   "/v1/chat/completions": lambda body: parse_chat(body, self.server.tokenizer)}
-        if self.path not in parsers:
-            routes = sorted([*parsers, "/tokenize", "/detokenize"])
-            raise BadRequest(f"no route POST {self.path}; this server has {routes}", status=HTTPStatus.NOT_FOUND)
-        body = self._body()
-        request = parsers[self.path](body)
-        self._check_model(body)
-        try:
-            return self.server.admit(request)
-        except InvalidRequestError as exc:
-            raise refused(exc, request.chat) from None
-
-    def _tokens(self, body) -> dict:
-        """vLLM's /tokenize (a prompt's or a chat's token ids, as the completion endpoints
-        encode them) and /detokenize (token ids' text)."""
-        tokenizer = self.server.tokenizer
-        if self.path == "/detokenize":
-            ids = parse_detokenize(body, self.server.controller.engine.vocab_size)
-            self._check_model(body)
-            return {"prompt": tokenizer.decode(ids)}
-        text, special, strings = parse_tokenize(body, tokenizer)
-        self._check_model(body)
-        try:
-            self.server.controller.engine.check_prompt_text(text)
-        except InvalidRequestError as exc:
-            raise refused(exc, "messages" in body) from None
-        ids = tokenizer(text, add_special_tokens=special)["input_ids"]
-        return {"count": len(ids), "max_model_len": self.server.controller.engine.max_length, "tokens": ids,
-                "token_strs": tokenizer.convert_ids_to_tokens(ids) if strings else None}
-
-    def _check_model(self, body: dict) -> None:
-        if (model := body.get("model")) is not None and model != self.server.model_name:
-            raise BadRequest(f"the model {model!r} does not exist; this server has {self.server.model_name!r}",
-                             "model", HTTPStatus.NOT_FOUND)
-
-    def _body(self):
-        """The request's JSON body, refused if too large, of no stated length or not JSON."""
-        length = self.headers.get("Content-Length", "0")
-        if not (length.isascii() and length.isdigit()):  # "²".isdigit() is True, and int() refuses it
-            raise BadRequest(f"Content-Length must be a number of bytes, got {length!r}")
-        if int(length) > MAX_BODY_BYTES:
-            raise BadRequest(f"the body is {length} bytes; this server takes at most {MAX_BODY_BYTES}",
-                             status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        try:
-            return json.loads(self.rfile.read(int(length)) or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the body is not valid JSON: {exc}") from None
-
-    def _serve_all(self, request: ApiRequest, ids: list[list[int]], gone: threading.Event) -> list[ControlledResult]:
-        """Every choice, each a request to the controller, while the server's `hang_ups` watches
-        the client: `gone` is set, and the requests stop, if it hangs up."""
-        rows = request.choices()
-        results: list = [None] * len(rows)
-
-        def serve(i: int) -> None:
-            try:
-                results[i] = self.server.serve(request, ids[i // request.n], rows[i][1], ClientWatch(gone))
-            except Exception as exc:
-                results[i] = exc
-
-        self.server.hang_ups.watch(self.connection, gone.set)
-        try:
-            for thread in self._each_choice(len(rows), serve, gone):
-                thread.join()
+            result = await self.controller.agenerate(
+                ids, request.request_class, max_new_tokens=request.decoded_tokens, temperature=request.temperature,
+                top_p=request.top_p, seed=seed, streamer=watch, **request.options)
+        except asyncio.CancelledError:  # its client went away
+            raise
+        except Exception as exc:
+            self.metrics.fail(exc)
+            raise
         finally:
-            self.server.hang_ups.unwatch(self.connection)
-        if failed := next((r for r in results if isinstance(r, Exception)), None):
-            raise failed
-        return results
+            self.metrics.end(watch.clock)
+        self.metrics.observe(result, watch.clock)
+        return result
 
-    def _each_choice(self, count: int, serve: Callable[[int], None], gone: threading.Event) -> list[threading.Thread]:
-        """Serve choices 0 to count - 1, `serve(i)` each, on at most the controller's `in_flight`
-        threads, each taking the next choice when its last is done, and none once `gone` is set
-        (the client left). A thread per choice had a body of 20,000 prompts run 15,000 threads,
-        and put all of them in the queue ahead of other clients' requests."""
-        choices = iter(range(count))
-        lock = threading.Lock()
+    def each_choice(self, request: ApiRequest, ids: list[list[int]], streamer) -> list[asyncio.Task]:
+        """A task per choice, at most the controller's `in_flight` of them served at once (a
+        body of 20,000 prompts must not put all of them ahead of other clients' requests)."""
+        gate = asyncio.Semaphore(self.controller.in_flight)
 
-        def work() -> None:
-            while not gone.is_set():
-                with lock:
-                    i = next(choices, None)
-                if i is None:
-                    return
-                serve(i)
+        async def one(i: int, seed: int | None) -> ControlledResult:
+            async with gate:
+                return await self.serve(request, ids[i // request.n], seed, streamer(i))
 
-        threads = [threading.Thread(target=work, daemon=True)
-                   for _ in range(min(count, self.server.controller.in_flight))]
-        for thread in threads:
-            thread.start()
-        return threads
+        return [asyncio.ensure_future(one(i, seed)) for i, (_, seed) in enumerate(request.choices())]
 
-    def _stream(self, request: ApiRequest, ids: list[list[int]]) -> None:
-        """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
-        with its finish_reason, the usage if asked for, then `data: [DONE]`."""
-        rows = request.choices()
-        events: queue.Queue = queue.Queue()
-        gone = threading.Event()
-        texts = [TextDeltas(self.server.tokenizer, request.options) for _ in rows]
-        logprobs = [LogprobDeltas(request, self.server.tokenizer) for _ in rows]
-
-        def serve(i: int) -> None:
-            try:
-                result = self.server.serve(request, ids[i // request.n], rows[i][1], TokenEvents(i, events, gone))
-                events.put(("done", i, result))
-            except Exception as exc:
-                events.put(("failed", i, exc))
-
-        def hung_up() -> None:
-            gone.set()
-            events.put(("gone", -1, None))  # nothing may come for it to write, and find the client gone
-
-        self.server.hang_ups.watch(self.connection, hung_up)
-        self._each_choice(len(rows), serve, gone)
-        results: dict[int, ControlledResult] = {}
+    async def complete(self, http: Request, request: ApiRequest, ids: list[list[int]]) -> Response:
+        """The whole response, once every choice is served; nothing (and every choice stopped)
+        if the client goes away first."""
+        tasks = self.each_choice(request, ids, lambda i: ChoiceClock())
+        served = asyncio.ensure_future(asyncio.gather(*tasks))
+        gone = asyncio.ensure_future(_disconnected(http))
         try:
-            self.send_response(HTTPStatus.OK)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.end_headers()
+            await asyncio.wait({served, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            for task in tasks:  # the client left, or a choice failed: the others stop too
+                if not served.done():
+                    task.cancel()
+        if not served.done():
+            return Response(status_code=499)  # nginx's "client closed request": no one reads it
+        results = served.result()
+        choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.tokenizer)
+                   for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
+        return JSONResponse({**self.envelope(request, _request_id(request), choices),
+                             "usage": usage(results, request)})
+
+    async def stream(self, request: ApiRequest, ids: list[list[int]]) -> AsyncIterator[str]:
+        """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
+        with its finish_reason, the usage if asked for, then `data: [DONE]`. Starlette cancels
+        this generator when the client goes away, and the choices stop with it."""
+        rows = request.choices()
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def post(event) -> None:  # from the engine's thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        async def reported(i: int, task: asyncio.Task) -> None:
+            try:
+                events.put_nowait(("done", i, await task))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                events.put_nowait(("failed", i, exc))
+
+        tasks = self.each_choice(request, ids, lambda i: TokenEvents(i, post))
+        watchers = [asyncio.ensure_future(reported(i, task)) for i, task in enumerate(tasks)]
+        request_id = _request_id(request)
+        texts = [TextDeltas(self.tokenizer, request.options) for _ in rows]
+        logprobs = [LogprobDeltas(request, self.tokenizer) for _ in rows]
+        results: dict[int, ControlledResult | None] = {}
+        try:
             for i, (prompt, _) in enumerate(rows):
                 if request.chat or request.echo:  # a chat's turn opens; an echo starts with the prompt
-                    text = prompt_text(prompt, self.server.tokenizer) if request.echo else ""
-                    self._event(self._envelope(request, [chunk_choice(i, request, text, first=True)], chunk=True))
+                    text = prompt_text(prompt, self.tokenizer) if request.echo else ""
+                    yield _event(self.envelope(request, request_id, [chunk_choice(i, request, text, first=True)],
+                                               chunk=True))
             while len(results) < len(rows):
-                kind, i, payload = events.get()
-                if kind == "gone":
-                    raise ConnectionResetError("the client went away")
+                kind, i, payload = await events.get()
                 if kind == "tokens":
                     tokens, entries = payload
                     logprobs[i].add(tokens, entries)
                     if delta := texts[i].add(tokens):
                         chunk = chunk_choice(i, request, delta, logprobs=logprobs[i].take())
-                        self._event(self._envelope(request, [chunk], chunk=True))
+                        yield _event(self.envelope(request, request_id, [chunk], chunk=True))
                 elif kind == "done":
                     results[i] = payload
                     last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason,
                                         logprobs=logprobs[i].take())
-                    self._event(self._envelope(request, [last], chunk=True))
+                    yield _event(self.envelope(request, request_id, [last], chunk=True))
                 else:
-                    if isinstance(payload, InvalidRequestError):
-                        self._event(refused(payload, request.chat).body())
-                    else:
-                        self._event(BadRequest(f"{type(payload).__name__}: {payload}",
-                                               status=HTTPStatus.INTERNAL_SERVER_ERROR).body())
                     results[i] = None
-            served = [results[i] for i in range(len(rows))]
-            if request.include_usage and None not in served:
-                self._event({**self._envelope(request, [], chunk=True), "usage": usage(served, request)})
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except OSError:  # the client went away: its requests stop at their next round
-            gone.set()
+                    yield _event(_failure(payload, request.chat).body())
+            if request.include_usage and None not in results.values():
+                served = [results[i] for i in range(len(rows))]
+                yield _event({**self.envelope(request, request_id, [], chunk=True), "usage": usage(served, request)})
+            yield "data: [DONE]\n\n"
         finally:
-            self.server.hang_ups.unwatch(self.connection)
+            for task in [*tasks, *watchers]:
+                task.cancel()
 
-    def _envelope(self, request: ApiRequest, choices: list[dict], chunk: bool = False) -> dict:
-        return envelope(request, self.request_id, self.server.model_name, self.created, choices, chunk)
+    def envelope(self, request: ApiRequest, request_id: str, choices: list[dict], chunk: bool = False) -> dict:
+        return envelope(request, request_id, self.model_name, int(time.time()), choices, chunk)
 
-    def _event(self, payload: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-        self.wfile.flush()
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own refusals (a malformed request line, an unsupported method) as
-        OpenAI's JSON error body, not an HTML page."""
-        refused = BadRequest(message or HTTPStatus(code).phrase, status=HTTPStatus(code))
-        self.close_connection = True
-        self._json(refused.body(), refused.status)
-
-    def _json(self, payload: dict, status: HTTPStatus = HTTPStatus.OK) -> None:
-        self._send(json.dumps(payload).encode(), "application/json", status)
-
-    def _send(self, data: bytes, content_type: str, status: HTTPStatus = HTTPStatus.OK) -> None:
+    def tokenize(self, body: TokenizeRequest, strings: bool) -> dict:
+        """vLLM's /tokenize: a prompt's or a chat's token ids, as the completion endpoints encode them."""
+        self.check_model(body.model)
+        text = body.text(self.tokenizer)
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except ConnectionError:  # the client left before its answer: there is no one to tell
-            self.close_connection = True
+            self.controller.engine.check_prompt_text(text)
+        except InvalidRequestError as exc:
+            raise refused(exc, body.messages is not None) from None
+        ids = self.tokenizer(text, add_special_tokens=body.special_tokens)["input_ids"]
+        return {"count": len(ids), "max_model_len": self.controller.engine.max_length, "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if strings else None}
+
+    def policy(self, offset: int, limit: int) -> dict:
+        """What the controller has learned so far, per class and load, as `autotune inspect
+        --json` shows it from the store (saved and flushed first, so it is up to date)."""
+        controller = self.controller
+        if controller.store is None:
+            raise BadRequest("this server keeps no store, so it has no learned policy to show",
+                             status=HTTPStatus.NOT_FOUND)
+        try:
+            controller.save()
+        except StoreError as exc:  # what the database refused: told, and the table still shown
+            logger.warning("%s", exc)
+        policy = controller.policy.name
+        return {"policy": policy, "offset": offset, "limit": limit,
+                "classes": policy_table(controller.store, policy, offset, limit)}
+
+
+def _request_id(request: ApiRequest) -> str:
+    return f"{'chatcmpl' if request.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _failure(exc: Exception, chat: bool) -> BadRequest:
+    if isinstance(exc, InvalidRequestError):
+        return refused(exc, chat)
+    return BadRequest(f"{type(exc).__name__}: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns when the client goes away (after its body, uvicorn's next message is that)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error(refusal: BadRequest) -> JSONResponse:
+    return JSONResponse(refusal.body(), refusal.status)
+
+
+def create_app(controller: AutotuneController, model_name: str = "spec-autotune", api_key: str | None = None,
+               max_metric_classes: int = 100, limits: ServerLimits = ServerLimits(),
+               allowed_origins: tuple[str, ...] = ("*",)) -> FastAPI:
+    """The FastAPI application over `controller`. `api_key` (vLLM's --api-key): every route but
+    /health then needs `Authorization: Bearer <key>`, compared in constant time (tokenizing and
+    the metrics cost the server too). CORS for `allowed_origins` (vLLM's default: any)."""
+    service = CompletionService(controller, model_name, max_metric_classes)
+
+    def authorized(http: Request) -> None:
+        # As bytes: compare_digest refuses str with non-ASCII characters
+        sent = http.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        if api_key is not None and http.url.path != "/health" and not hmac.compare_digest(
+                sent, f"Bearer {api_key}".encode()):
+            raise BadRequest("a valid API key is required: send `Authorization: Bearer <key>`",
+                             status=HTTPStatus.UNAUTHORIZED)
+
+    # strict_content_type off: a body sent without a Content-Type (curl -d, raw sockets) is read as
+    # JSON, as before; CORS (any origin by default) already lets any page post to it.
+    app = FastAPI(title="spec-autotune", dependencies=[Depends(authorized)], strict_content_type=False,
+                  docs_url=None, redoc_url=None)
+    app.state.service = service
+    app.add_middleware(RequestBudget, limits=limits)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(http: Request, exc: BadRequest) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(http: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(BadRequest.from_validation(list(exc.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(http: Request, exc: HTTPException) -> JSONResponse:
+        message = {404: f"no route {http.method} {http.url.path}",
+                   413: f"the body is over {limits.max_body_bytes} bytes; this server takes at most"
+                        f" {limits.max_body_bytes}"}
+        return JSONResponse(BadRequest(message.get(exc.status_code, str(exc.detail)),
+                                       status=HTTPStatus(exc.status_code)).body(), exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(http: Request, exc: Exception) -> JSONResponse:  # the client gets an answer whatever failed
+        return _error(_failure(exc, chat=False))
+
+    async def generate(http: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        request, ids = await run_in_threadpool(service.admit, body)
+        if request.stream:
+            return StreamingResponse(service.stream(request, ids), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await service.complete(http, request, ids)
+
+    @app.post("/v1/completions")
+    async def completions(http: Request, body: CompletionRequest) -> Response:
+        return await generate(http, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request, body: ChatCompletionRequest) -> Response:
+        return await generate(http, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await run_in_threadpool(service.tokenize, body, body.return_token_strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        service.check_model(body.model)
+        vocab = controller.engine.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise BadRequest(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}", "tokens")
+        return {"prompt": service.tokenizer.decode(body.tokens)}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        model = {"id": model_name, "object": "model", "created": service.created, "owned_by": "spec-autotune",
+                 "max_model_len": controller.engine.max_length}
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/autotune/policy")
+    async def policy(offset: int = Query(0, ge=0), limit: int = Query(POLICY_PAGE, ge=1, le=POLICY_PAGE)) -> dict:
+        """A page of `limit` rows (at most POLICY_PAGE, the default) from `offset`."""
+        return await run_in_threadpool(service.policy, offset, limit)
+
+    return app
+
+
+class CompletionServer:
+    """`create_app`'s application served by uvicorn at `address` (port 0: any free one, then
+    `server_port`), within `limits`. `serve_forever()` in the main thread stops on SIGINT or
+    SIGTERM (requests in flight get `limits.graceful_shutdown_s`); `start()` serves from a
+    thread of its own until `shutdown()`."""
+
+    def __init__(self, controller: AutotuneController, address: tuple[str, int] = ("127.0.0.1", 8000),
+                 model_name: str = "spec-autotune", verbose: bool = False, api_key: str | None = None,
+                 max_metric_classes: int = 100, limits: ServerLimits = ServerLimits(),
+                 allowed_origins: tuple[str, ...] = ("*",)) -> None:
+        self.app = create_app(controller, model_name, api_key, max_metric_classes, limits, allowed_origins)
+        self.socket = socket.create_server(address, backlog=2048)  # uvicorn's backlog; socketserver's 5 reset clients
+        self.server_port = self.socket.getsockname()[1]
+        config = uvicorn.Config(self.app, http=bounded_protocol(limits), timeout_keep_alive=int(limits.keep_alive_s),
+                                timeout_graceful_shutdown=int(limits.graceful_shutdown_s),
+                                log_level="info" if verbose else "warning", access_log=verbose)
+        self.uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def serve_forever(self) -> None:
+        self.uvicorn.run(sockets=[self.socket])
+
+    def start(self) -> CompletionServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="uvicorn", daemon=True)
+        self._thread.start()
+        while not self.uvicorn.started and self._thread.is_alive():
+            time.sleep(0.01)
+        return self
+
+    def shutdown(self) -> None:
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self.socket.close()

@@ -3,14 +3,22 @@
 A server process over the committed family (from the code at $PYTHONPATH, so an older checkout
 can be measured the same way), then: a 30 MB prompt, a 10 MB /tokenize, and `classes` distinct
 request classes, each request timed with the server's resident memory before and after, and the
-size and time of /metrics and /v1/autotune/policy once the classes are in.
+size and time of /metrics and /v1/autotune/policy once the classes are in. Last, `idle`
+connections that send nothing and `slow` clients that send a request's head a byte a second,
+held (and reopened when the server closes them) from two processes of their own, while normal
+requests are timed against the same requests on the quiet server; then SIGTERM, with all of
+them still there.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
+import resource
+import selectors
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -25,20 +33,88 @@ def _rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def _call(url: str, body: dict | None = None) -> tuple[int, float, int]:
-    """(status, seconds, bytes of the answer) of a GET, or a POST of `body`."""
+def _call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int, float, int]:
+    """(status, seconds, bytes of the answer) of a GET, or a POST of `body`; status 0: no answer in time."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     start = time.perf_counter()
     try:
-        with urllib.request.urlopen(request, timeout=600) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             status, size = response.status, len(response.read())
     except urllib.error.HTTPError as exc:
         status, size = exc.code, len(exc.read())
+    except OSError:  # refused, reset or timed out
+        status, size = 0, 0
     return status, round(time.perf_counter() - start, 3), size
 
 
-def bench_hostile(classes: int = 300) -> dict:
+def _attack(port: int, idle: int, slow: int, pipe) -> None:
+    """Hold `idle` connections that send nothing and `slow` ones that send a request's head a
+    byte a second, reopening each the server closes (once a second), until told to stop; say
+    how many connects failed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"x" * 10_000
+    selector, failed, sent = selectors.DefaultSelector(), 0, {}
+
+    def connect(kind: str) -> None:
+        nonlocal failed
+        try:
+            connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            failed += 1
+            return
+        connection.setblocking(False)
+        selector.register(connection, selectors.EVENT_READ, kind)
+        if kind == "slow":
+            sent[connection] = 0
+
+    missing = {"idle": idle, "slow": slow}
+    pipe.send("ready")
+    while not pipe.poll(1.0):
+        for kind, count in missing.items():
+            for _ in range(count):
+                connect(kind)
+        missing = {"idle": 0, "slow": 0}
+        for connection in list(sent):  # a byte of its head each
+            try:
+                connection.send(head[sent[connection]:sent[connection] + 1])
+                sent[connection] += 1
+            except OSError:
+                pass  # closed: the selector sees it
+        for key, _ in selector.select(timeout=0):
+            selector.unregister(key.fileobj)
+            sent.pop(key.fileobj, None)
+            key.fileobj.close()
+            missing[key.data] += 1
+    pipe.send({"failed_connects": failed})
+
+
+def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
+    """`measure()` while `idle` and `slow` clients hold connections to the server (two
+    processes: one process may not hold 20,000 descriptors), and what they held."""
+    spawn = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    for share_idle, share_slow in ((idle - idle // 2, slow), (idle // 2, 0)):
+        ours, theirs = spawn.Pipe()
+        processes.append(spawn.Process(target=_attack, args=(port, share_idle, share_slow, theirs), daemon=True))
+        processes[-1].start()
+        pipes.append(ours)
+    for pipe in pipes:
+        assert pipe.recv() == "ready"
+    time.sleep(20)  # every connection opened, and the first ones closed at the head deadline and reopened
+    try:
+        result = measure()
+    finally:
+        for pipe in pipes:
+            pipe.send("stop")
+        held = [pipe.recv() for pipe in pipes]
+        for process in processes:
+            process.join(timeout=30)
+    return {**result, "attack_failed_connects": sum(h["failed_connects"] for h in held)}
+
+
+def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         server = subprocess.Popen([sys.executable, "-m", "autotune.cli", "serve", "--port", "0", "--db",
                                    f"sqlite:///{tmp}/hostile.db"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -47,12 +123,15 @@ def bench_hostile(classes: int = 300) -> dict:
             base = server.stdout.readline().split(" at ")[1].split("/v1")[0]
             normal = {"prompt": "def add(a, b):\n    return", "max_tokens": 8, "temperature": 0,
                       "request_class": "code"}
-            idle = [_call(base + "/v1/completions", normal)[1] for _ in range(5)]
-            result = {"normal_request_s_median": statistics.median(idle), "rss_mb_start": round(_rss_mb(server.pid))}
-            # Under the 32 MiB body limit, which is checked before a body is read.
+            first = [_call(base + "/v1/completions", normal)[1] for _ in range(5)]
+            result = {"normal_request_s_median": statistics.median(first), "rss_mb_start": round(_rss_mb(server.pid))}
+            # Over the body limit (8 MiB by default), refused before they are read; under it, a
+            # prompt's length in characters is checked before it is tokenized.
             for name, path, body in [("prompt_30MB", "/v1/completions", {"prompt": "x = 1; " * 4_285_714,
                                                                          "max_tokens": 4}),
-                                     ("tokenize_10MB", "/tokenize", {"prompt": "x = 1; " * 1_428_571})]:
+                                     ("tokenize_10MB", "/tokenize", {"prompt": "x = 1; " * 1_428_571}),
+                                     ("prompt_6MB", "/v1/completions", {"prompt": "x = 1; " * 857_142,
+                                                                        "max_tokens": 4})]:
                 status, seconds, _ = _call(base + path, body)
                 result[name] = {"status": status, "seconds": seconds, "rss_mb_after": round(_rss_mb(server.pid))}
 
@@ -69,12 +148,34 @@ def bench_hostile(classes: int = 300) -> dict:
             result["normal_request_s_after"] = statistics.median(
                 [_call(base + "/v1/completions", normal)[1] for _ in range(5)])
             result["rss_mb_end"] = round(_rss_mb(server.pid))
+            port = int(base.rsplit(":", 1)[1])
+            quiet = [_call(base + "/v1/completions", normal)[1] for _ in range(10)]
+
+            def normal_requests_then_stop() -> dict:
+                timed = [_call(base + "/v1/completions", normal, timeout=60) for _ in range(10)]
+                rss, held = round(_rss_mb(server.pid)), len(os.listdir(f"/proc/{server.pid}/fd"))
+                server.send_signal(signal.SIGTERM)
+                stopped = time.perf_counter()
+                try:
+                    server.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                return {"normal_request_s_quiet": statistics.median(quiet),
+                        "normal_request_s": statistics.median(t[1] for t in timed),
+                        "normal_request_s_max": max(t[1] for t in timed),
+                        "normal_ok": sum(t[0] == 200 for t in timed),
+                        "rss_mb": rss, "server_descriptors_open": held,
+                        "sigterm_to_exit_s": round(time.perf_counter() - stopped, 2), "exit_code": server.returncode}
+
+            result["attack"] = {"idle": idle, "slow": slow, **_under_attack(port, idle, slow,
+                                                                             normal_requests_then_stop)}
+            result["attack"]["latency_vs_quiet"] = round(result["attack"]["normal_request_s"]
+                                                         / result["attack"]["normal_request_s_quiet"], 2)
         finally:
-            server.send_signal(signal.SIGTERM)
-            stopped = time.perf_counter()
-            try:
-                server.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        result["sigterm_to_exit_s"] = round(time.perf_counter() - stopped, 2)
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+                try:
+                    server.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    server.kill()
     return result

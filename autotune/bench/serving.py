@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import statistics
-import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -40,7 +39,7 @@ def _post_streamed(base: str, body: dict) -> tuple[str, int, float]:
     return "".join(text), tokens, first
 
 
-def _client_process(port: int, bodies: list[list[dict]], pipe) -> None:
+def _client_process(base: str, bodies: list[list[dict]], pipe) -> None:
     """The HTTP clients, in a process of their own: at each "go", client c sends `bodies[c]` one
     after another on a thread of its own; the round's seconds and, per client, each request's
     (tokens, latency, time to first token, text) go back, or the error of a client that failed
@@ -52,7 +51,7 @@ def _client_process(port: int, bodies: list[list[dict]], pipe) -> None:
         def client(c: int, served=served) -> None:
             for body in bodies[c]:
                 start = time.perf_counter()
-                text, tokens, first = _post_streamed(f"http://127.0.0.1:{port}", body)
+                text, tokens, first = _post_streamed(base, body)
                 done = time.perf_counter()
                 served[c].append((tokens, done - start, (first or done) - start, text))
 
@@ -64,7 +63,7 @@ def _client_process(port: int, bodies: list[list[dict]], pipe) -> None:
 
 def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
                 requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
-                rounds: int = 2, progress=print) -> dict:
+                rounds: int = 2, others: dict[str, str] | None = None, progress=print) -> dict:
     """Clients on threads, each sending its requests one after another, streamed, to a controller
     (coalescing, continuous batching) called in process (`direct`) or through `autotune serve`'s
     server on localhost (`http`: JSON in, server-sent events out, the clients in a process of
@@ -72,32 +71,34 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
     class c mod len(classes), the same in every configuration; configurations take turns round
     by round and keep their controllers across rounds. Greedy texts must be identical in all.
     Latency: from sending a request to having its whole output; time to first token: to its
-    first output text."""
+    first output text. `others` (name -> base URL): servers started elsewhere (another
+    build of `autotune serve`, or any OpenAI-compatible server of the same model), served by
+    the same clients in the same turns."""
     plan = client_plan(engine, classes, clients, requests_per_client)
     bodies = [[{"prompt": ids, "request_class": cls.name, "max_tokens": cls.max_new_tokens,
                 "temperature": cls.temperature, "top_p": cls.top_p, "seed": c * 1000 + j, "stream": True,
                 "stream_options": {"include_usage": True}} for j, ids in enumerate(requests)]
               for c, (cls, requests) in enumerate(plan)]
     arms = default_arms(engine)
-    controllers, servers, pipes, processes = {}, {}, {}, []
+    controllers, servers, bases, pipes, processes = {}, {}, {}, {}, []
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads
     for p in policies:
         for how in ("direct", "http"):
             controllers[f"{p}/{how}"] = AutotuneController(engine, policy=p, arms=arms, max_batch=max_batch)
-        server = servers[f"{p}/http"] = CompletionServer(controllers[f"{p}/http"], ("127.0.0.1", 0))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        pipes[f"{p}/http"], theirs = spawn.Pipe()
-        processes.append(spawn.Process(target=_client_process, args=(server.server_port, bodies, theirs),
-                                       daemon=True))
+        server = servers[f"{p}/http"] = CompletionServer(controllers[f"{p}/http"], ("127.0.0.1", 0)).start()
+        bases[f"{p}/http"] = f"http://127.0.0.1:{server.server_port}"
+    for name, base in {**bases, **(others or {})}.items():
+        pipes[name], theirs = spawn.Pipe()
+        processes.append(spawn.Process(target=_client_process, args=(base.rstrip("/"), bodies, theirs), daemon=True))
         processes[-1].start()
     for pipe in pipes.values():  # no round may share the CPU with a client process starting up
         assert pipe.recv() == "ready"
-    stats = {name: {"seconds": 0.0, "served": []} for name in controllers}  # (tokens, latency, ttft)
+    stats = {name: {"seconds": 0.0, "served": []} for name in [*controllers, *(others or {})]}
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     try:
         for r in range(rounds):
-            for name in rotate(list(controllers), r):
-                ctl, s = controllers[name], stats[name]
+            for name in rotate(list(stats), r):
+                ctl, s = controllers.get(name), stats[name]
                 if name in pipes:
                     pipes[name].send("go")
                     answer = pipes[name].recv()
@@ -133,7 +134,6 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
             process.join(timeout=10)
         for server in servers.values():
             server.shutdown()
-            server.server_close()
     out = {}
     for name, s in stats.items():
         tokens, latency, ttft = zip(*s["served"])
@@ -144,5 +144,8 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
             "rounds": rounds, "max_batch": max_batch, "configs": out,
             "http_vs_direct": {p: round(out[f"{p}/http"]["tokens_per_s"] / out[f"{p}/direct"]["tokens_per_s"], 3)
                                for p in policies},
+            "http_vs_others": {name: {p: {key: round(out[f"{p}/http"][key] / out[name][key], 3)
+                                          for key in ("tokens_per_s", "ttft_s_p99")} for p in policies}
+                               for name in others or {}},
             "greedy_requests_compared": len(greedy),
             "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}
