@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, over HTTP, on a tiny model with the family's tokenizer."""
 
+import asyncio
 import json
 import signal
 import socket
@@ -913,3 +914,36 @@ def test_idle_slow_and_surplus_clients_are_let_go_and_a_normal_request_still_ser
     finally:
         for server in servers:
             server.shutdown()
+
+
+def test_the_openai_sdk_works_unchanged(served):
+    """OpenAI's own client, sync and async: n, logprobs, stop, seed, a stream with its usage, the
+    SDK's and vLLM's extra fields; each answer is the one the server gives any client."""
+    openai = pytest.importorskip("openai")
+    engine, base = served
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    [model] = [m.id for m in client.models.list()]
+    answer = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0, n=2, logprobs=2,
+                                       stop=["\n\n"], seed=7, extra_body={"priority": 1, "top_k": 5})
+    expected = alone(engine, PROMPTS[0], 12, stop=["\n\n"]).text
+    assert [c.text for c in answer.choices] == [expected, expected] and len(answer.choices[0].logprobs.tokens) > 0
+    stream = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, user="u-1")
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == alone(engine, PROMPTS[1], 12).text
+    assert chunks[-1].usage.completion_tokens == 12
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0, store=False,
+                                          logprobs=True, top_logprobs=2)
+    assert chat.usage.completion_tokens == 4 and len(chat.choices[0].logprobs.content) == 4
+    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 128"):
+        client.completions.create(model=model, prompt="x", n=300)
+
+    async def together() -> list[str]:
+        concurrent = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        answers = await asyncio.gather(*(concurrent.completions.create(
+            model=model, prompt=PROMPTS[i % 3], max_tokens=6, temperature=0, extra_body={"metadata": {"i": str(i)}})
+            for i in range(8)))
+        await concurrent.close()
+        return [a.choices[0].text for a in answers]
+
+    assert asyncio.run(together()) == [alone(engine, PROMPTS[i % 3], 6).text for i in range(8)]

@@ -364,7 +364,8 @@ def test_bench_serves_client_process_answers_a_failed_client_with_its_error():
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     ours, theirs = multiprocessing.Pipe()
-    process = threading.Thread(target=_client_process, args=(port, [[{"prompt": "x"}]] * 2, theirs), daemon=True)
+    process = threading.Thread(target=_client_process, args=(f"http://127.0.0.1:{port}", [[{"prompt": "x"}]] * 2,
+                                                             theirs), daemon=True)
     process.start()
     assert ours.recv() == "ready"
     ours.send("go")
