@@ -109,9 +109,13 @@ class BoundedH11Protocol(H11Protocol):
 
     limits: ServerLimits
     idle: collections.OrderedDict
+    closing = False  # set when the server stops: a connection accepted after is closed at once
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        if self.closing:  # accepted in the same batch as the stop: uvicorn's shutdown has passed it by
+            self._close()
+            return
         if len(self.connections) > self.limits.connections():
             if self.idle:  # the connection idle longest makes room
                 oldest, _ = self.idle.popitem(last=False)
@@ -613,6 +617,16 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
     return app
 
 
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, whose stop also closes connections accepted while it stops: under a flood
+    of connections, some accepted in the same batch as the stop were made after uvicorn had told
+    the open ones to close, and it waited out its whole grace for them."""
+
+    async def shutdown(self, sockets=None) -> None:
+        self.config.http_protocol_class.closing = True
+        await super().shutdown(sockets)
+
+
 class CompletionServer:
     """`create_app`'s application served by uvicorn at `address` (port 0: any free one, then
     `server_port`), within `limits`. `serve_forever()` in the main thread stops on SIGINT or
@@ -629,7 +643,7 @@ class CompletionServer:
         config = uvicorn.Config(self.app, http=bounded_protocol(limits), timeout_keep_alive=int(limits.keep_alive_s),
                                 timeout_graceful_shutdown=int(limits.graceful_shutdown_s),
                                 log_level="info" if verbose else "warning", access_log=verbose)
-        self.uvicorn = uvicorn.Server(config)
+        self.uvicorn = _StoppingServer(config)
         self._thread: threading.Thread | None = None
 
     def serve_forever(self) -> None:

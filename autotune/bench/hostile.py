@@ -12,6 +12,7 @@ them still there.
 
 from __future__ import annotations
 
+import http.client
 import json
 import multiprocessing
 import os
@@ -46,6 +47,22 @@ def _call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int
     except OSError:  # refused, reset or timed out
         status, size = 0, 0
     return status, round(time.perf_counter() - start, 3), size
+
+
+def _head_answer(base: str, path: str, length: int) -> tuple[int, float]:
+    """(status, seconds) of a POST whose head states `length` bytes, read before its body is sent
+    (as a client sending `Expect: 100-continue` would): a server that refuses a body unread
+    answers here, and closes the connection on a client still sending it."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    start = time.perf_counter()
+    connection.putrequest("POST", path)
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(length))
+    connection.endheaders()
+    status = connection.getresponse().status
+    connection.close()
+    return status, round(time.perf_counter() - start, 3)
 
 
 def _attack(port: int, idle: int, slow: int, pipe) -> None:
@@ -134,6 +151,9 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50) -> dic
                                                                         "max_tokens": 4})]:
                 status, seconds, _ = _call(base + path, body)
                 result[name] = {"status": status, "seconds": seconds, "rss_mb_after": round(_rss_mb(server.pid))}
+                if status == 0:  # closed while the body was sent: what the server answered from its head
+                    status, seconds = _head_answer(base, path, len(json.dumps(body)))
+                    result[name] |= {"answer_to_the_head": status, "answer_to_the_head_s": seconds}
 
             def tenant(i: int) -> int:
                 return _call(base + "/v1/completions", {**normal, "max_tokens": 4, "request_class": f"tenant-{i}"})[0]
