@@ -146,8 +146,8 @@ class BoundedH11Protocol(H11Protocol):
             self._head_received()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        super().on_response_complete()  # which begins a request pipelined behind it, if one is
+        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self._await_head()
 
     def connection_lost(self, exc) -> None:
@@ -402,8 +402,7 @@ class CompletionService:
         finally:
             gone.cancel()
             for task in tasks:  # the client left, or a choice failed: the others stop too
-                if not served.done():
-                    task.cancel()
+                task.cancel()
         if not served.done():
             return Response(status_code=499)  # nginx's "client closed request": no one reads it
         results = served.result()
@@ -563,6 +562,10 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
         return JSONResponse(BadRequest(message.get(exc.status_code, str(exc.detail)),
                                        status=HTTPStatus(exc.status_code)).body(), exc.status_code,
                             headers=exc.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def refused_by_engine(http: Request, exc: InvalidRequestError) -> JSONResponse:
+        return _error(refused(exc, chat=http.url.path.endswith("/chat/completions")))
 
     @app.exception_handler(Exception)
     async def failed(http: Request, exc: Exception) -> JSONResponse:  # the client gets an answer whatever failed
