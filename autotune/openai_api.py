@@ -56,6 +56,8 @@ class BadRequest(Exception):
         if error["type"] == "json_invalid":
             return cls(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}")
         if not loc and error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            if isinstance(error.get("input"), bytes):  # sent as another type (curl -d: a form), so not parsed
+                return cls("the body must be a JSON object, sent with `Content-Type: application/json`")
             return cls("the body must be a JSON object")
         where = ".".join(loc)
         if error["type"] == "missing":

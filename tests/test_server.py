@@ -808,6 +808,11 @@ def test_refusals_of_the_transport_are_json_and_browsers_get_cors(served):
     response = connection.getresponse()
     response.read()
     assert response.status == 200 and response.getheader("Access-Control-Allow-Origin") == "*"
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": "x"}),  # curl -d's type: a form
+                       {"Content-Type": "application/x-www-form-urlencoded"})
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 400 and "`Content-Type: application/json`" in error["message"]
     sockets_before = connection.sock
     connection.request("GET", "/health")
     assert json.loads(connection.getresponse().read()) == {"status": "ok"} and connection.sock is sockets_before
