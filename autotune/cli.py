@@ -182,7 +182,7 @@ def cmd_bench(args) -> None:
     if args.what in ("store", "durability"):
         result = _bench_databases(args, bench)
     elif args.what == "hostile":
-        result = bench.bench_hostile(classes=args.requests or 300)
+        result = bench.bench_hostile(classes=args.requests or 300, server_code=args.server_code)
     elif args.what == "decisions":
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
         result = bench.bench_decisions(**steps)
@@ -562,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-size", type=at_least(1), default=16, help="bench controller: requests per burst")
     p.add_argument("--clients", type=at_least(1), default=16,
                    help="bench concurrency, serve, prefix: client threads, each sending 4 requests one after another")
+    p.add_argument("--server-code", metavar="DIR",
+                   help="bench hostile: run the server from this checkout's code (e.g. a git worktree of an older"
+                        " commit), driven by this one's bench")
     p.add_argument("--compare-url", action="append", metavar="NAME=URL",
                    help="bench serve: also serve the same clients from a server started elsewhere (e.g. another"
                         " build of autotune serve, on the same family), in the same turns")

@@ -131,11 +131,14 @@ def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
     return {**result, "attack_failed_connects": sum(h["failed_connects"] for h in held)}
 
 
-def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50) -> dict:
+def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server_code: str | None = None) -> dict:
+    """`server_code`: a checkout (e.g. a git worktree of an older commit) whose code the server
+    runs, the bench's own code driving it."""
+    env = os.environ | ({"PYTHONPATH": os.path.abspath(server_code)} if server_code else {})
     with tempfile.TemporaryDirectory() as tmp:
         server = subprocess.Popen([sys.executable, "-m", "autotune.cli", "serve", "--port", "0", "--db",
                                    f"sqlite:///{tmp}/hostile.db"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  text=True, env=os.environ.copy())
+                                  text=True, env=env, cwd=tmp)  # not this folder's code first on the path
         try:
             base = server.stdout.readline().split(" at ")[1].split("/v1")[0]
             normal = {"prompt": "def add(a, b):\n    return", "max_tokens": 8, "temperature": 0,
@@ -172,7 +175,7 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50) -> dic
             quiet = [_call(base + "/v1/completions", normal)[1] for _ in range(10)]
 
             def normal_requests_then_stop() -> dict:
-                timed = [_call(base + "/v1/completions", normal, timeout=60) for _ in range(10)]
+                timed = [_call(base + "/v1/completions", normal, timeout=30) for _ in range(10)]
                 rss, held = round(_rss_mb(server.pid)), len(os.listdir(f"/proc/{server.pid}/fd"))
                 server.send_signal(signal.SIGTERM)
                 stopped = time.perf_counter()
