@@ -298,11 +298,12 @@ def _bench_prefix(args, engine, bench) -> dict:
 
 def _bench_clients(args, engine, bench) -> dict:
     clients, per_client = (8, 2) if args.quick else (args.clients, 4)
-    run = bench.bench_concurrency if args.what == "concurrency" else bench.bench_serve
-    others = {} if args.what == "concurrency" else dict(_named(item) for item in args.compare_url or ())
-    extra = {"others": others} if others else {}
-    return run(engine, _classes(args), clients, per_client, max_batch=clients, rounds=1 if args.quick else 2,
-               **extra)
+    rounds = 1 if args.quick else 2
+    if args.what == "concurrency":
+        return bench.bench_concurrency(engine, _classes(args), clients, per_client, max_batch=clients, rounds=rounds)
+    others = dict(_named(item) for item in args.compare_url or ())
+    return bench.bench_serve(engine, _classes(args), clients, per_client, max_batch=clients, rounds=rounds,
+                             others=others)
 
 
 def _named(item: str) -> tuple[str, str]:

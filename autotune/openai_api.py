@@ -132,12 +132,15 @@ UNSERVED = {
 }
 
 
-class OpenAIBody(BaseModel):
-    """A body's known fields, typed strictly (no "3" for 3, no true for 1); other fields are
-    kept aside and ignored with a debug log, as vLLM does: clients send their own (the OpenAI
-    SDK's `store`, `metadata`; vLLM's `priority`, `chat_template_kwargs`)."""
+class _Strict(BaseModel):
+    """Typed strictly (no "3" for 3, no true for 1); other fields kept aside (`model_extra`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+class OpenAIBody(_Strict):
+    """A body's known fields; other fields are ignored with a debug log, as vLLM does: clients
+    send their own (the OpenAI SDK's `store`, `metadata`; vLLM's `priority`, `chat_template_kwargs`)."""
 
     model: str | None = None
 
@@ -166,9 +169,7 @@ class OpenAIBody(BaseModel):
             raise BadRequest.from_validation(exc.errors()) from None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
@@ -265,7 +266,7 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
 class CompletionRequest(SamplingBody):
     """A /v1/completions body."""
 
-    prompt: Any = None
+    prompt: Any
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -278,13 +279,6 @@ class CompletionRequest(SamplingBody):
         if value is None:
             raise ValueError("prompt is required")
         return _prompts(value)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _prompt_present(cls, body: Any) -> Any:
-        if isinstance(body, dict) and "prompt" not in body:
-            raise ValueError("prompt is required")
-        return body
 
     @model_validator(mode="after")
     def _served_forms(self) -> CompletionRequest:
@@ -299,18 +293,14 @@ class CompletionRequest(SamplingBody):
         return self.request(self.prompt, self.max_tokens, self.logprobs, chat=False, echo=self.echo)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     """A chat turn with text content: a string, OpenAI's list of text parts (joined), or null
     (an assistant turn that made a tool call, in an agent's history: empty)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[TextPart] | None = None

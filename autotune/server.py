@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -108,6 +109,7 @@ class BoundedH11Protocol(H11Protocol):
     waiting for a head, oldest first) are set per server by `bounded_protocol`."""
 
     limits: ServerLimits
+    cap: int  # limits.connections(), read once per server: not a getrlimit call per connection
     idle: collections.OrderedDict
     closing = False  # set when the server stops: a connection accepted after is closed at once
 
@@ -116,7 +118,7 @@ class BoundedH11Protocol(H11Protocol):
         if self.closing:  # accepted in the same batch as the stop: uvicorn's shutdown has passed it by
             self._close()
             return
-        if len(self.connections) > self.limits.connections():
+        if len(self.connections) > self.cap:
             if self.idle:  # the connection idle longest makes room
                 oldest, _ = self.idle.popitem(last=False)
                 oldest._close()
@@ -166,7 +168,8 @@ class BoundedH11Protocol(H11Protocol):
 
 def bounded_protocol(limits: ServerLimits) -> type[BoundedH11Protocol]:
     """The protocol class of one server (its own limits, its own idle connections)."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"limits": limits, "idle": collections.OrderedDict()})
+    return type("BoundedH11Protocol", (BoundedH11Protocol,),
+                {"limits": limits, "cap": limits.connections(), "idle": collections.OrderedDict()})
 
 
 class RequestBudget:
@@ -370,9 +373,7 @@ class CompletionService:
             result = await self.controller.agenerate(
                 ids, request.request_class, max_new_tokens=request.decoded_tokens, temperature=request.temperature,
                 top_p=request.top_p, seed=seed, streamer=watch, **request.options)
-        except asyncio.CancelledError:  # its client went away
-            raise
-        except Exception as exc:
+        except Exception as exc:  # not its cancelling (a client gone): CancelledError is no Exception
             self.metrics.fail(exc)
             raise
         finally:
@@ -408,8 +409,8 @@ class CompletionService:
         results = served.result()
         choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.tokenizer)
                    for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
-        return JSONResponse({**self.envelope(request, _request_id(request), choices),
-                             "usage": usage(results, request)})
+        whole = envelope(request, _request_id(request), self.model_name, int(time.time()), choices)
+        return JSONResponse({**whole, "usage": usage(results, request)})
 
     async def stream(self, request: ApiRequest, ids: list[list[int]]) -> AsyncIterator[str]:
         """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
@@ -422,17 +423,19 @@ class CompletionService:
         def post(event) -> None:  # from the engine's thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
-        async def reported(i: int, task: asyncio.Task) -> None:
-            try:
-                events.put_nowait(("done", i, await task))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                events.put_nowait(("failed", i, exc))
+        def reported(i: int, task: asyncio.Task) -> None:  # a choice's end, after the tokens it posted
+            if task.cancelled():
+                return
+            error = task.exception()
+            events.put_nowait(("failed", i, error) if error else ("done", i, task.result()))
 
         tasks = self.each_choice(request, ids, lambda i: TokenEvents(i, post))
-        watchers = [asyncio.ensure_future(reported(i, task)) for i, task in enumerate(tasks)]
-        request_id = _request_id(request)
+        for i, task in enumerate(tasks):
+            task.add_done_callback(functools.partial(reported, i))
+        request_id, created = _request_id(request), int(time.time())  # one `created` for every chunk
+
+        def chunk(choices: list[dict]) -> str:
+            return _event(envelope(request, request_id, self.model_name, created, choices, chunk=True))
         texts = [TextDeltas(self.tokenizer, request.options) for _ in rows]
         logprobs = [LogprobDeltas(request, self.tokenizer) for _ in rows]
         results: dict[int, ControlledResult | None] = {}
@@ -440,36 +443,32 @@ class CompletionService:
             for i, (prompt, _) in enumerate(rows):
                 if request.chat or request.echo:  # a chat's turn opens; an echo starts with the prompt
                     text = prompt_text(prompt, self.tokenizer) if request.echo else ""
-                    yield _event(self.envelope(request, request_id, [chunk_choice(i, request, text, first=True)],
-                                               chunk=True))
+                    yield chunk([chunk_choice(i, request, text, first=True)])
             while len(results) < len(rows):
                 kind, i, payload = await events.get()
                 if kind == "tokens":
                     tokens, entries = payload
                     logprobs[i].add(tokens, entries)
                     if delta := texts[i].add(tokens):
-                        chunk = chunk_choice(i, request, delta, logprobs=logprobs[i].take())
-                        yield _event(self.envelope(request, request_id, [chunk], chunk=True))
+                        yield chunk([chunk_choice(i, request, delta, logprobs=logprobs[i].take())])
                 elif kind == "done":
                     results[i] = payload
                     last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason,
                                         logprobs=logprobs[i].take())
-                    yield _event(self.envelope(request, request_id, [last], chunk=True))
+                    yield chunk([last])
                 else:
                     results[i] = None
                     yield _event(_failure(payload, request.chat).body())
             if request.include_usage and None not in results.values():
                 served = [results[i] for i in range(len(rows))]
-                yield _event({**self.envelope(request, request_id, [], chunk=True), "usage": usage(served, request)})
+                head = envelope(request, request_id, self.model_name, created, [], chunk=True)
+                yield _event({**head, "usage": usage(served, request)})
             yield "data: [DONE]\n\n"
         finally:
-            for task in [*tasks, *watchers]:
+            for task in tasks:
                 task.cancel()
 
-    def envelope(self, request: ApiRequest, request_id: str, choices: list[dict], chunk: bool = False) -> dict:
-        return envelope(request, request_id, self.model_name, int(time.time()), choices, chunk)
-
-    def tokenize(self, body: TokenizeRequest, strings: bool) -> dict:
+    def tokenize(self, body: TokenizeRequest) -> dict:
         """vLLM's /tokenize: a prompt's or a chat's token ids, as the completion endpoints encode them."""
         self.check_model(body.model)
         text = body.text(self.tokenizer)
@@ -479,7 +478,7 @@ class CompletionService:
             raise refused(exc, body.messages is not None) from None
         ids = self.tokenizer(text, add_special_tokens=body.special_tokens)["input_ids"]
         return {"count": len(ids), "max_model_len": self.controller.engine.max_length, "tokens": ids,
-                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if strings else None}
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
     def policy(self, offset: int, limit: int) -> dict:
         """What the controller has learned so far, per class and load, as `autotune inspect
@@ -557,8 +556,7 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
     @app.exception_handler(HTTPException)
     async def http_error(http: Request, exc: HTTPException) -> JSONResponse:
         message = {404: f"no route {http.method} {http.url.path}",
-                   413: f"the body is over {limits.max_body_bytes} bytes; this server takes at most"
-                        f" {limits.max_body_bytes}"}
+                   413: f"the body grew past the limit: this server takes at most {limits.max_body_bytes} bytes"}
         return JSONResponse(BadRequest(message.get(exc.status_code, str(exc.detail)),
                                        status=HTTPStatus(exc.status_code)).body(), exc.status_code,
                             headers=exc.headers)
@@ -588,7 +586,7 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        return await run_in_threadpool(service.tokenize, body, body.return_token_strs)
+        return await run_in_threadpool(service.tokenize, body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -109,7 +109,7 @@ def _attack(port: int, idle: int, slow: int, pipe) -> None:
 
 def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
     """`measure()` while `idle` and `slow` clients hold connections to the server (two
-    processes: one process may not hold 20,000 descriptors), and what they held."""
+    processes: one process may not hold 20,000 descriptors), and how many connects failed."""
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     for share_idle, share_slow in ((idle - idle // 2, slow), (idle // 2, 0)):
