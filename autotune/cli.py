@@ -18,6 +18,7 @@ from store import StoreError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_STORE = 1, 2, 3
 PREFIX_BENCH_TOKENS = 8192  # bench prefix: what each model keeps of earlier prompts (serve's default)
+LLAMACPP_MEMBERS = ("target", "distilled", "small", "medium")  # the family members llama.cpp serves
 
 
 class CheckFailed(Exception):
@@ -31,13 +32,14 @@ def _emit(result: dict, path: str | None) -> None:
         print(f"wrote {path}")
 
 
-def _engine(args, drafters=None, prefix_cache_tokens: int = 0):
+def _engine(args, drafters=None, prefix_cache_tokens: int = 0, compile_: bool | None = None):
     import torch
 
     from autotune.zoo import load_engine
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return load_engine(args.family, device=args.device, drafters=drafters, compile=args.compile, dtype=dtype,
+    return load_engine(args.family, device=args.device, drafters=drafters,
+                       compile=args.compile if compile_ is None else compile_, dtype=dtype,
                        prefix_cache_tokens=prefix_cache_tokens)
 
 
@@ -102,16 +104,18 @@ def cmd_serve(args) -> None:
 
     engine = _serving_engine(args)
     name = args.served_model_name or (Path(args.target).name if args.target else "spec-autotune")
+    # --arm: one speculative configuration for every request, as vLLM's --speculative-config (a replica)
+    policy = {"policy": "static", "arm": args.arm} if args.arm else {"policy": args.policy}
     with Store(args.db, label="serve") as store, AutotuneController(
-            engine, store, policy=args.policy, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
-            classifier=RequestClassifier.from_store(store)) as controller:  # classes of the store's labelled history
+            engine, store, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
+            classifier=RequestClassifier.from_store(store), **policy) as controller:  # classes of the store's history
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
                               max_connections=args.max_connections, max_requests=args.max_requests)
         server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
                                   api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
                                   max_metric_classes=args.max_metric_classes, limits=limits,
                                   allowed_origins=tuple(args.allowed_origins))
-        print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.policy},"
+        print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.arm or args.policy},"
               f" batches of up to {args.max_batch}, {args.prefix_cache_tokens} prompt tokens kept a model);"
               f" store {store.url}; Ctrl-C or SIGTERM stops", flush=True)
         # uvicorn stops on SIGINT or SIGTERM (requests in flight get their grace), then raises the
@@ -187,6 +191,8 @@ def cmd_bench(args) -> None:
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
         result = bench.bench_decisions(**steps)
         result["many_classes"] = bench.bench_decisions(**steps, classes=tuple(f"tenant-{i}" for i in range(1000)))
+    elif args.what == "backends":
+        result = _bench_backends(args, bench)
     elif args.what == "limits":
         engine = bench.llama_shaped_engine(args.device, compile=args.compile) if args.llama_shapes else _engine(args)
         result = bench.bench_limits(engine, max_k=4 if args.quick else args.max_k)
@@ -197,6 +203,55 @@ def cmd_bench(args) -> None:
     _emit(result, args.json)
     if args.what in _FAILURES and (failure := _FAILURES[args.what](result)):
         raise CheckFailed(failure)
+
+
+def _llamacpp(args):
+    """llama-server built and the family converted (each step skipped when done)."""
+    from autotune.backends import setup
+    from autotune.zoo import DEFAULT_FAMILY_DIR
+
+    family = Path(args.family) if args.family else DEFAULT_FAMILY_DIR
+    print("llama.cpp: building llama-server and converting the family where not done yet", flush=True)
+    return setup({n: family / n for n in LLAMACPP_MEMBERS}, Path(args.llamacpp_dir) if args.llamacpp_dir else None)
+
+
+def _bench_backends(args, bench) -> dict:
+    """The controller on llama.cpp against every static setting, and this engine against llama.cpp."""
+    from transformers import AutoTokenizer
+
+    from autotune.backends import LlamaCppBackend, family_servers
+    from autotune.bench.tenants import tenant_classes
+    from autotune.zoo import DEFAULT_FAMILY_DIR
+
+    llama = _llamacpp(args)
+    family = Path(args.family) if args.family else DEFAULT_FAMILY_DIR
+    specs = family_servers({n: llama.gguf(n) for n in LLAMACPP_MEMBERS})
+    backend, servers = LlamaCppBackend.start(llama.server, specs, cache_prompt=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(family / "target")
+        classes = _classes(args)
+        if args.many_classes:
+            classes = tenant_classes(classes, args.many_classes)
+        result = {"llama_cpp_python": bench.LLAMA_CPP_PYTHON, "servers": [s.spec.name for s in servers]}
+        result["controller"] = bench.bench_backend_controller(
+            backend, classes, tokenizer, 3 if args.quick else args.per_class or 50, backend.arms(),
+            args.policies.split(","))
+        peer_classes = _classes(argparse.Namespace(classes="code,edit"))
+        count = 2 if args.quick else args.prompts
+        prompts = [tokenizer.encode(p) for c in peer_classes.values() for p in c.prompts[:count]]
+        engines = {"eager": _engine(args, compile_=False), "compiled": _engine(args, compile_=True)}
+        result["peer"] = bench.bench_peer(backend, engines, prompts * 2, args.max_new_tokens)
+    finally:
+        for server in servers:
+            server.stop()
+        backend.close()
+    return result
+
+
+def cmd_llamacpp(args) -> None:
+    llama = _llamacpp(args)
+    print(json.dumps({"llama_server": str(llama.server), **{n: str(llama.gguf(n)) for n in LLAMACPP_MEMBERS}},
+                     indent=2))
 
 
 def _bench_databases(args, bench) -> dict:
@@ -339,7 +394,7 @@ def _bench_controller(args, engine, bench) -> dict:
         classes = tenant_classes(_classes(args), 6 if args.quick else args.many_classes)
         chosen = json.loads(Path(args.arms_from).read_text()) if args.arms_from else None
         with _noise(args.noise, engine):
-            result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class,
+            result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class or 8,
                                               policies=args.policies.split(","), chosen=chosen)
         result["noise"] = args.noise
         return result
@@ -491,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=at_least(0, high=65535), default=8000, help="0: any free port")
     p.add_argument("--policy", default="ucb")
+    p.add_argument("--arm", help="serve every request on this arm (off, or DRAFTER:K): a replica with one"
+                                 " speculative configuration, for a routing backend (autotune/backends/routing.py)")
     p.add_argument("--max-batch", type=at_least(1), default=16,
                    help="requests served together at most (1: one at a time)")
     p.add_argument("--prefill-chunk", type=at_least(0), default=2048, metavar="TOKENS",
@@ -535,10 +592,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
                                             " store, durability, limits, cache, longrun, choices, lengths, chunked,"
-                                            " prefix, concurrency, serve, hostile"))
+                                            " prefix, concurrency, serve, hostile, backends"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
                                     "durability", "limits", "cache", "longrun", "choices", "lengths", "chunked",
-                                    "prefix", "concurrency", "serve", "hostile"])
+                                    "prefix", "concurrency", "serve", "hostile", "backends"])
+    p.add_argument("--llamacpp-dir", metavar="DIR", help="bench backends: where llama.cpp is built (default:"
+                                                         " $AUTOTUNE_LLAMACPP_DIR or ~/.cache/autotune)")
     p.add_argument("--postgres", metavar="URL", help="bench store, durability: also on fresh databases created on"
                                                      " this PostgreSQL server (`.ci/postgres start DIR` prints one)")
     p.add_argument("--quick", action="store_true", help="a small smoke version")
@@ -574,8 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--many-classes", type=at_least(2), metavar="N",
                    help="bench controller: N classes (the chosen ones, then sampled and short variants of them),"
                         " a few requests each, every request served by every configuration, counted from the first")
-    p.add_argument("--per-class", type=at_least(1), default=8, help="bench controller --many-classes: requests per"
-                                                                    " class")
+    p.add_argument("--per-class", type=at_least(1), help="bench controller --many-classes: requests per class"
+                                                          " (default 8); bench backends: (default 50)")
     p.add_argument("--policies", default="ucb,contextual", help="bench controller --many-classes: policies compared")
     p.add_argument("--arms-from", metavar="JSON", help="bench controller --many-classes: the static best and oracle"
                                                        " arms of an earlier run's JSON, instead of hindsight picks")
@@ -593,6 +652,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-shapes", action="store_true",
                    help="bench limits: random bf16 models shaped like Llama-3.1-8B / Llama-3.2-1B (CUDA)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("llamacpp", help="build llama-server from llama-cpp-python's sdist and convert the family"
+                                        " to GGUF (for --backend llamacpp and bench backends)")
+    p.add_argument("--family", help="model family folder (default: the built-in family)")
+    p.add_argument("--llamacpp-dir", metavar="DIR", help="where (default: $AUTOTUNE_LLAMACPP_DIR or ~/.cache/autotune)")
+    p.set_defaults(func=cmd_llamacpp)
 
     zoo = sub.add_parser("zoo", help="the model family").add_subparsers(dest="zoo_command", required=True)
     p = zoo.add_parser("train", help="train the tokenizer and model family")
