@@ -14,7 +14,9 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
 
 from autotune.backends import (
     BackendController,
@@ -91,6 +93,62 @@ def test_llamacpp_greedy_is_the_engines_and_speculation_keeps_it(llama_servers, 
             assert 0 <= spec.accepted <= spec.drafted
             drafted[arm] += spec.drafted
     assert all(drafted.values()), drafted  # each drafter drafted on some prompt: speculation ran
+
+
+def joint_of_tokens_1_and_2(ids: list[int], top: int = 24) -> torch.Tensor:
+    """The target's exact joint distribution of its first two output tokens at temperature 1 for
+    the `top` likeliest first tokens (a row each over the vocabulary), with the rest of the first
+    token's mass in one last cell."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_FAMILY_DIR / "target", dtype=torch.float32)
+    with torch.no_grad():
+        first = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        likeliest = first.topk(top).indices
+        rows = [first[t] * model(torch.tensor([ids + [int(t)]])).logits[0, -1].softmax(-1) for t in likeliest]
+    joint = torch.cat([*rows, (1 - first[likeliest].sum()).reshape(1)])
+    return joint, likeliest.tolist()
+
+
+def sampled_p_value(post, ids: list[int], samples: int, expected: torch.Tensor, likeliest: list[int]) -> float:
+    """Chi-square p-value of `samples` draws of the first two tokens (`post(seed)`: the tokens)
+    against `expected`; cells expected fewer than 5 times pooled."""
+    from scipy.stats import chisquare
+
+    vocab = (len(expected) - 1) // len(likeliest)
+    counts = torch.zeros(len(expected))
+    for seed in range(samples):
+        first, second = post(seed)[:2]
+        counts[likeliest.index(first) * vocab + second if first in likeliest else -1] += 1
+    expected = expected * samples
+    keep = expected >= 5
+    f_obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
+    f_exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
+    return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item()).pvalue
+
+
+def test_llamacpp_sampling_follows_the_target_and_the_test_can_tell(llama_servers, tokenizer):
+    """Sampled at temperature 1 through the backend, with the draft model verifying the second
+    token, llama.cpp's first two tokens follow the target's joint distribution; its own default
+    samplers (top-k 40, min-p 0.05, which the backend turns off) fail the same test."""
+    backend, _ = llama_servers
+    ids = tokenizer.encode("def main():\n    ")
+    expected, likeliest = joint_of_tokens_1_and_2(ids)
+    arm = Arm("distilled", 3)
+
+    def served(seed: int) -> list[int]:
+        return backend.serve(BackendRequest(ids, 3, temperature=1.0, seed=seed), arm).tokens
+
+    assert sum(backend.serve(BackendRequest(ids, 3, 1.0, seed=s), arm).drafted for s in range(20)) > 0
+    assert sampled_p_value(served, ids, 2000, expected, likeliest) > 1e-3  # seen: 0.099
+    client = httpx.Client(timeout=30)
+
+    def llamas_defaults(seed: int) -> list[int]:
+        body = backend.body(BackendRequest(ids, 3, temperature=1.0, seed=seed), arm)
+        del body["top_k"], body["min_p"]
+        return client.post(backend.url(arm) + "/completion", json=body).json()["tokens"]
+
+    assert sampled_p_value(llamas_defaults, ids, 500, expected, likeliest) < 1e-3  # seen: 3e-41
 
 
 def test_controller_on_llamacpp_learns_bounded_rewards_and_resumes(llama_servers, prompts, tokenizer, tmp_path):
