@@ -99,9 +99,10 @@ def _serving_engine(args):
 def cmd_serve(args) -> None:
     from autotune.classifier import RequestClassifier
     from autotune.controller import AutotuneController
-    from autotune.server import CompletionServer, ServerLimits
     from store import Store
 
+    if args.backend == "llamacpp":
+        return _serve_llamacpp(args)
     engine = _serving_engine(args)
     name = args.served_model_name or (Path(args.target).name if args.target else "spec-autotune")
     # --arm: one speculative configuration for every request, as vLLM's --speculative-config (a replica)
@@ -109,24 +110,62 @@ def cmd_serve(args) -> None:
     with Store(args.db, label="serve") as store, AutotuneController(
             engine, store, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
             classifier=RequestClassifier.from_store(store), **policy) as controller:  # classes of the store's history
-        limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
-                              max_connections=args.max_connections, max_requests=args.max_requests)
-        server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
-                                  api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
-                                  max_metric_classes=args.max_metric_classes, limits=limits,
-                                  allowed_origins=tuple(args.allowed_origins))
-        print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.arm or args.policy},"
-              f" batches of up to {args.max_batch}, {args.prefix_cache_tokens} prompt tokens kept a model);"
-              f" store {store.url}; Ctrl-C or SIGTERM stops", flush=True)
-        # uvicorn stops on SIGINT or SIGTERM (requests in flight get their grace), then raises the
-        # signal again for the handler it found: here KeyboardInterrupt for both, so the controller's
-        # `with` saves what it learned before the process ends.
-        signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        print("stopping: saving what the controller learned", flush=True)
+        _serve_forever(args, controller, name, f"batches of up to {args.max_batch},"
+                       f" {args.prefix_cache_tokens} prompt tokens kept a model")
+
+
+def _serve_llamacpp(args) -> None:
+    """`autotune serve --backend llamacpp`: llama-server processes for the family, the controller
+    choosing among them per request."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from autotune.backends import BackendController, LlamaCppBackend, family_servers
+    from autotune.backends.serving import ServedBackend
+    from autotune.zoo import DEFAULT_FAMILY_DIR
+    from store import Store
+
+    if args.target or args.arm:
+        raise ValueError("--backend llamacpp serves the family (--family), with the controller's --policy;"
+                         " --target and --arm are for this project's engine")
+    llama = _llamacpp(args)
+    family = Path(args.family) if args.family else DEFAULT_FAMILY_DIR
+    backend, servers = LlamaCppBackend.start(llama.server, family_servers({n: llama.gguf(n) for n in LLAMACPP_MEMBERS}))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(family / "target")
+        context = AutoConfig.from_pretrained(family / "target").max_position_embeddings
+        with Store(args.db, label="serve") as store:
+            served = ServedBackend(BackendController(backend, store, policy=args.policy, tokenizer=tokenizer), context)
+            try:
+                _serve_forever(args, served, args.served_model_name or "spec-autotune",
+                               f"on llama.cpp: {len(servers)} llama-server processes")
+            finally:
+                served.close()
+    finally:
+        for server in servers:
+            server.stop()
+        backend.close()
+
+
+def _serve_forever(args, controller, name: str, what: str) -> None:
+    from autotune.server import CompletionServer, ServerLimits
+
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
+                          max_connections=args.max_connections, max_requests=args.max_requests)
+    server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
+                              api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
+                              max_metric_classes=args.max_metric_classes, limits=limits,
+                              allowed_origins=tuple(args.allowed_origins))
+    print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.arm or args.policy},"
+          f" {what}); store {controller.store.url}; Ctrl-C or SIGTERM stops", flush=True)
+    # uvicorn stops on SIGINT or SIGTERM (requests in flight get their grace), then raises the
+    # signal again for the handler it found: here KeyboardInterrupt for both, so the controller
+    # saves what it learned before the process ends.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    print("stopping: saving what the controller learned", flush=True)
 
 
 def _interrupt(signum, frame) -> None:
@@ -546,6 +585,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=at_least(0, high=65535), default=8000, help="0: any free port")
     p.add_argument("--policy", default="ucb")
+    p.add_argument("--backend", choices=["engine", "llamacpp"], default="engine",
+                   help="serve on this project's engine, or on llama-server processes for the family (built by"
+                        " `autotune llamacpp`, here if not yet)")
+    p.add_argument("--llamacpp-dir", metavar="DIR", help="--backend llamacpp: where llama.cpp is built (default:"
+                                                         " $AUTOTUNE_LLAMACPP_DIR or ~/.cache/autotune)")
     p.add_argument("--arm", help="serve every request on this arm (off, or DRAFTER:K): a replica with one"
                                  " speculative configuration, for a routing backend (autotune/backends/routing.py)")
     p.add_argument("--max-batch", type=at_least(1), default=16,

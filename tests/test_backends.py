@@ -162,7 +162,7 @@ def test_controller_on_llamacpp_learns_bounded_rewards_and_resumes(llama_servers
         for r in results:
             assert r.reward is not None
             decoded = r.response.new_tokens - 1
-            if decoded > r.response.accepted:  # never more than its accepted drafts allow
+            if not r.arm.is_off and decoded > r.response.accepted:  # never more than its accepted drafts allow
                 assert r.reward <= decoded / (decoded - r.response.accepted) + 1e-9
         assert results[0].text == tokenizer.decode(results[0].tokens, skip_special_tokens=True)
         learned = controller.policy.state_dict()
@@ -200,6 +200,36 @@ def test_llamacpp_down_or_silent_fails_fast_with_its_address(llama, llama_server
         with pytest.raises(BackendError, match="no answer in 1 s"):
             LlamaCppBackend({"off": url}, timeout_s=1).serve(BackendRequest(prompts[0], 8), OFF)
         assert time.monotonic() - started < 5
+
+
+def test_the_server_in_front_of_llamacpp(llama_servers, prompts, tokenizer):
+    """`autotune serve --backend llamacpp`'s server: completions served on llama.cpp through the
+    controller, the same text as llama.cpp's own greedy output; an option llama.cpp is not sent
+    is refused by name; /metrics counts what was served."""
+    from autotune.backends.serving import ServedBackend
+    from autotune.server import CompletionServer
+
+    backend, _ = llama_servers
+    served = ServedBackend(BackendController(backend, policy="ucb", tokenizer=tokenizer), max_length=1024)
+    server = CompletionServer(served, ("127.0.0.1", 0), "family").start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        text = tokenizer.decode(prompts[0])
+        for _ in range(3):
+            answer = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 16, "temperature": 0},
+                                timeout=60).json()
+            choice = answer["choices"][0]
+            expected = backend.serve(BackendRequest(tokenizer.encode(text), 16), OFF).tokens
+            assert choice["text"] == tokenizer.decode(expected[:len(tokenizer.encode(choice["text"]))],
+                                                      skip_special_tokens=True)
+            assert answer["usage"]["completion_tokens"] <= 16 and choice["autotune"]["arm"]
+        refused = httpx.post(url + "/v1/completions", json={"prompt": text, "stop": ["x"]}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
+        metrics = httpx.get(url + "/metrics").text
+        assert 'vllm:request_success_total{finished_reason="length",model_name="family"} 3.0' in metrics
+    finally:
+        server.shutdown()
+        served.close()
 
 
 class ScriptedBackend:

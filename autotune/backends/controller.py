@@ -183,7 +183,9 @@ class BackendController:
             off_rate = self.costs.off_rate(context.load)
             if off_rate is None:
                 return None
-            reward = bounded_speedup(rate, off_rate, response)
+            # OFF's own reward is not capped: it is the reference the others are measured against,
+            # and capped at 1 its noise would count only downwards.
+            reward = rate / off_rate if arm.is_off else bounded_speedup(rate, off_rate, response)
             siblings = {} if arm.is_off or arm.drafter not in self._ks else \
                 self.costs.siblings(arm.drafter, arm.k, self._ks[arm.drafter], context.load, reward, response)
             outcome = Outcome(rate, reward, response.acceptance, response.new_tokens, siblings)
