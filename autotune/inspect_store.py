@@ -6,6 +6,7 @@ import math
 import time
 from collections import defaultdict
 
+from autotune.backends.controller import COSTS_POLICY as BACKEND_COSTS_POLICY
 from autotune.controller import INTERNAL_POLICIES
 from autotune.learning import learned_states
 
@@ -23,7 +24,8 @@ def best_arm(state: dict) -> tuple[str, float, float, float] | None:
 
 
 def latest_policy(store) -> str | None:
-    history = [h for h in store.policy_history() if h["policy"] not in INTERNAL_POLICIES]
+    internal = (*INTERNAL_POLICIES, BACKEND_COSTS_POLICY)  # the controllers' own state, not a policy's
+    history = [h for h in store.policy_history() if h["policy"] not in internal]
     return history[-1]["policy"] if history else None
 
 

@@ -31,6 +31,7 @@ from autotune.backends.controller import bounded_speedup
 from autotune.backends.llamacpp_build import check_gpt2_pretokenizer, default_dir
 from autotune.backends.routing import Replica, RoutingBackend
 from autotune.classes import builtin_classes
+from autotune.inspect_store import latest_policy
 from autotune.zoo import DEFAULT_FAMILY_DIR, load_engine
 from engine import OFF, Arm
 from store import Store
@@ -169,6 +170,7 @@ def test_controller_on_llamacpp_learns_bounded_rewards_and_resumes(llama_servers
         off_rate = controller.costs.off_rate(1)
     with Store(url) as store:
         assert len(store.observations()) == 1 + len(results)
+        assert latest_policy(store) == "ucb"  # `inspect` reads the policy, not the controller's costs
         resumed = BackendController(backend, store, policy="ucb", tokenizer=tokenizer)
         assert resumed.policy.state_dict() == learned
         assert resumed.costs.off_rate(1) == off_rate  # no OFF request needed after a restart
