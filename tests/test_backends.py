@@ -5,6 +5,7 @@ routing backend, as vLLM or SGLang replicas would be.
 llama.cpp's tests skip where it is not built, except in CI (AUTOTUNE_REQUIRE_LLAMACPP=1), which
 builds it first."""
 
+import json
 import os
 import re
 import socket
@@ -225,10 +226,17 @@ def test_the_server_in_front_of_llamacpp(llama_servers, prompts, tokenizer):
             assert choice["text"] == tokenizer.decode(expected[:len(tokenizer.encode(choice["text"]))],
                                                       skip_special_tokens=True)
             assert answer["usage"]["completion_tokens"] <= 16 and choice["autotune"]["arm"]
+        streamed = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 16, "temperature": 0,
+                                                             "stream": True}, timeout=60).text
+        deltas = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines()
+                  if line.startswith("data: {")]
+        assert len([d for d in deltas if d]) > 2  # as llama.cpp streams them, not in one piece
+        whole = "".join(deltas)  # greedy, as above: the same text, or a prefix where llama.cpp cut one short
+        assert whole.startswith(choice["text"]) or choice["text"].startswith(whole)
         refused = httpx.post(url + "/v1/completions", json={"prompt": text, "stop": ["x"]}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "stop"
         metrics = httpx.get(url + "/metrics").text
-        assert 'vllm:request_success_total{finished_reason="length",model_name="family"} 3.0' in metrics
+        assert 'vllm:request_success_total{finished_reason="length",model_name="family"} 4.0' in metrics
     finally:
         server.shutdown()
         served.close()
@@ -247,7 +255,7 @@ class ScriptedBackend:
     def arms(self) -> list[Arm]:
         return list(self.rates)
 
-    def serve(self, request: BackendRequest, arm: Arm) -> BackendResponse:
+    def serve(self, request: BackendRequest, arm: Arm, on_tokens=None) -> BackendResponse:
         self.served.append(arm)
         if arm in self.failing:
             raise BackendError(f"scripted failure on {arm}")
@@ -274,6 +282,24 @@ def test_controller_learns_nothing_from_a_failed_arm_and_passes_it_over():
     assert broken in ucb.backend.served  # it was tried, failed, and taught nothing
     counts = ucb.policy.state_dict()["c@load1"]["counts"]
     assert counts[str(broken)] == 0 and counts[str(good)] > 0 and counts[str(off)] > 0
+
+
+def test_a_request_that_began_to_stream_is_not_served_again():
+    """Its caller has the start of the output: served again on OFF it would get it twice."""
+    class FailsMidStream(ScriptedBackend):
+        def serve(self, request, arm, on_tokens=None):
+            if arm in self.failing and on_tokens is not None:
+                on_tokens([7, 8])
+            return super().serve(request, arm, on_tokens)
+
+    broken = Arm("b", 2)
+    backend = FailsMidStream({OFF: 100.0, broken: 400.0}, failing={broken})
+    controller = BackendController(backend, policy="static", arm=broken)
+    received = []
+    with pytest.raises(BackendError, match="scripted failure"):
+        controller.generate([1, 2, 3], "c", 9, on_tokens=received.extend)
+    assert received == [7, 8] and backend.served == [broken]
+    assert controller.generate([1, 2, 3], "c", 9).arm == OFF  # the failed drafter is passed over meanwhile
 
 
 def test_rewards_respect_accepted_drafts():

@@ -12,10 +12,13 @@ and `BackendController` learns from the served request alone. Terms used through
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine import Arm
+
+TokenSink = Callable[[list[int]], None]  # takes a streamed response's output token ids as they arrive
 
 
 class BackendError(RuntimeError):
@@ -61,7 +64,8 @@ class BackendResponse:
 
 class Backend(Protocol):
     """An engine the controller serves requests on. `arms`: what it can serve (OFF among them);
-    `serve` raises BackendError when it cannot, within its timeout. `variable_k`: the drafters
+    `serve` raises BackendError when it cannot, within its timeout, and hands the output's token
+    ids to `on_tokens` as they come where it streams them (otherwise not at all). `variable_k`: the drafters
     whose K is a request field, one engine state for all their Ks (so that what a request shows
     of one K says something of another); others are one server per arm."""
 
@@ -70,6 +74,6 @@ class Backend(Protocol):
 
     def arms(self) -> list[Arm]: ...
 
-    def serve(self, request: BackendRequest, arm: Arm) -> BackendResponse: ...
+    def serve(self, request: BackendRequest, arm: Arm, on_tokens: TokenSink | None = None) -> BackendResponse: ...
 
     def close(self) -> None: ...

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from autotune.backends.base import Backend, BackendError, BackendRequest, BackendResponse
+from autotune.backends.base import Backend, BackendError, BackendRequest, BackendResponse, TokenSink
 from autotune.backends.costs import BackendCosts
 from autotune.learning import SharedLearning
 from autotune.metrics import request_features
@@ -105,8 +105,10 @@ class BackendController:
             if store is not None else None
 
     def generate(self, prompt: str | list[int], request_class: str | None = None, max_new_tokens: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> BackendResult:
-        """Serve one request on the arm the policy picks for its class and the load; learn from it."""
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 on_tokens: TokenSink | None = None) -> BackendResult:
+        """Serve one request on the arm the policy picks for its class and the load; learn from it.
+        `on_tokens` gets the output's token ids as they arrive, where the backend streams them."""
         if request_class is not None and (not isinstance(request_class, str) or not request_class):
             raise InvalidRequestError(f"request_class must be a non-empty string or None, got {request_class!r}")
         ids = self._ids(prompt)
@@ -126,7 +128,7 @@ class BackendController:
             arm = self._decide(context)
         decision_s = time.perf_counter() - started
         try:
-            response, served, error = self._serve(request, arm)
+            response, served, error = self._serve(request, arm, on_tokens)
         finally:
             with self.lock:
                 self._in_flight -= 1
@@ -161,17 +163,28 @@ class BackendController:
             return OFF
         return arm
 
-    def _serve(self, request: BackendRequest, arm: Arm) -> tuple[BackendResponse, Arm, str | None]:
-        """The response, the arm that served it, and the error that sent it to OFF (or None)."""
+    def _serve(self, request: BackendRequest, arm: Arm,
+               on_tokens: TokenSink | None) -> tuple[BackendResponse, Arm, str | None]:
+        """The response, the arm that served it, and the error that sent it to OFF (or None). A
+        request whose output had begun to stream is not served again (its caller would see the
+        start twice): it gets the error."""
+        streamed = []
+
+        def sink(tokens: list[int]) -> None:
+            streamed.append(True)
+            on_tokens(tokens)
+
         try:
-            return self.backend.serve(request, arm), arm, None
+            return self.backend.serve(request, arm, sink if on_tokens else None), arm, None
         except BackendError as exc:
             if arm.is_off:
                 raise
-            logger.warning("%s failed on %s, serving the request on OFF: %s", self.backend.name, arm, exc)
             with self.lock:
                 self._down[arm.drafter] = time.monotonic() + self.cooldown_s
-            return self.backend.serve(request, OFF), OFF, str(exc)
+            if streamed:
+                raise
+            logger.warning("%s failed on %s, serving the request on OFF: %s", self.backend.name, arm, exc)
+            return self.backend.serve(request, OFF, on_tokens), OFF, str(exc)
 
     def _learn(self, context: Context, arm: Arm, response: BackendResponse) -> float | None:
         rate = response.decode_rate

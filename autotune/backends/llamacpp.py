@@ -17,6 +17,7 @@ decode), `prompt_ms`, `draft_n` and `draft_n_accepted`.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import subprocess
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from autotune.backends.base import BackendError, BackendRequest, BackendResponse
+from autotune.backends.base import BackendError, BackendRequest, BackendResponse, TokenSink
 from engine import OFF, Arm
 
 logger = logging.getLogger(__name__)
@@ -164,27 +165,29 @@ class LlamaCppBackend:
         """The /completion request for `request` on `arm`."""
         body = {"prompt": request.prompt, "n_predict": request.max_new_tokens, "temperature": request.temperature,
                 "top_p": request.top_p, "top_k": 0, "min_p": 0.0, "repeat_penalty": 1.0,
-                "cache_prompt": self.cache_prompt, "return_tokens": True, "stream": False}
+                "cache_prompt": self.cache_prompt, "return_tokens": True}
         if request.seed is not None:
             body["seed"] = request.seed
         if not arm.is_off and arm.drafter != NGRAM:
             body.update({"speculative.n_max": arm.k, "speculative.n_min": 0, "speculative.p_min": self.p_min})
         return body
 
-    def serve(self, request: BackendRequest, arm: Arm) -> BackendResponse:
+    def serve(self, request: BackendRequest, arm: Arm, on_tokens: TokenSink | None = None) -> BackendResponse:
+        """`request` on `arm`; with `on_tokens`, streamed: each event's tokens handed over as they come."""
         url = self.url(arm)
+        body = {**self.body(request, arm), "stream": on_tokens is not None}
         started = time.perf_counter()
         try:
-            answer = self._client.post(url + "/completion", json=self.body(request, arm))
+            with self._client.stream("POST", url + "/completion", json=body) as answer:
+                if answer.status_code != 200:
+                    raise BackendError(f"llama.cpp server for {arm} at {url} answered {answer.status_code}:"
+                                       f" {answer.read()[:500]!r}")
+                out = _streamed(answer, on_tokens) if on_tokens is not None else json.loads(answer.read())
         except httpx.TimeoutException:
             raise BackendError(f"llama.cpp server for {arm} at {url}: no answer in {self.timeout_s:g} s") from None
         except httpx.HTTPError as exc:
             raise BackendError(f"llama.cpp server for {arm} at {url}: {type(exc).__name__}: {exc}") from None
         total_s = time.perf_counter() - started
-        if answer.status_code != 200:
-            raise BackendError(f"llama.cpp server for {arm} at {url} answered {answer.status_code}:"
-                               f" {answer.text[:500]}")
-        out = answer.json()
         timings = out.get("timings", {})
         speculative = not arm.is_off
         tokens = list(out.get("tokens", []))
@@ -209,6 +212,21 @@ class LlamaCppBackend:
 
     def close(self) -> None:
         self._client.close()
+
+
+def _streamed(answer: httpx.Response, on_tokens: TokenSink) -> dict:
+    """A streamed /completion read to its end: the last event (timings, stop type) with the
+    content and tokens of every event, each event's tokens handed to `on_tokens` on arrival."""
+    text, tokens, last = [], [], {}
+    for line in answer.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        last = json.loads(line[6:])
+        text.append(last.get("content", ""))
+        if fresh := last.get("tokens"):
+            tokens += fresh
+            on_tokens(fresh)
+    return {**last, "content": "".join(text), "tokens": tokens}
 
 
 def _free_port() -> int:

@@ -6,7 +6,7 @@ replica. What a request did is read from the outside:
 - its times from the streamed response (`/v1/completions`, `stream: true`): the first chunk
   with text ends its prefill, the last ends its decode; its output tokens from the usage the
   last chunk carries (`stream_options.include_usage`), its token ids where the server sends
-  them (vLLM's `return_token_ids`);
+  them (vLLM's `return_token_ids`; only then are they handed on as they arrive);
 - its drafted and accepted tokens from the replica's Prometheus counters
   (`vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total`),
   read before and after it: only when no other request of this backend was on that replica
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from autotune.backends.base import BackendError, BackendRequest, BackendResponse
+from autotune.backends.base import BackendError, BackendRequest, BackendResponse, TokenSink
 from engine import Arm
 
 DRAFTED = "vllm:spec_decode_num_draft_tokens"
@@ -66,7 +66,7 @@ class RoutingBackend:
     def arms(self) -> list[Arm]:
         return list(self.replicas)
 
-    def serve(self, request: BackendRequest, arm: Arm) -> BackendResponse:
+    def serve(self, request: BackendRequest, arm: Arm, on_tokens: TokenSink | None = None) -> BackendResponse:
         replica = self.replicas.get(arm)
         if replica is None:
             raise BackendError(f"no replica serves arm {arm}; the replicas: {[str(a) for a in self.replicas]}")
@@ -76,7 +76,7 @@ class RoutingBackend:
             alone, started = self._busy[arm] == 1, self._started[arm]
         try:
             before = self._counters(replica) if alone and not arm.is_off else None
-            response = self._complete(replica, request)
+            response = self._complete(replica, request, on_tokens)
             if arm.is_off:
                 return replace(response, drafted=0, accepted=0)
             after = self._counters(replica) if before is not None else None
@@ -89,7 +89,7 @@ class RoutingBackend:
             with self._lock:
                 self._busy[arm] -= 1
 
-    def _complete(self, replica: Replica, request: BackendRequest) -> BackendResponse:
+    def _complete(self, replica: Replica, request: BackendRequest, on_tokens: TokenSink | None) -> BackendResponse:
         body = {"model": replica.model, "prompt": request.prompt, "max_tokens": request.max_new_tokens,
                 "temperature": request.temperature, "top_p": request.top_p, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
@@ -119,7 +119,10 @@ class RoutingBackend:
                             first = first if first is not None else now
                             last = now
                             text.append(choice["text"])
-                        tokens += choice.get("token_ids") or []
+                        if fresh := choice.get("token_ids"):
+                            tokens += fresh
+                            if on_tokens is not None:
+                                on_tokens(fresh)
                         finish = choice.get("finish_reason") or finish
         except httpx.TimeoutException:
             raise BackendError(f"{where}: no answer in {self.timeout_s:g} s") from None

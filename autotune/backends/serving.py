@@ -5,8 +5,8 @@ The server asks its controller for an `engine` (the tokenizer, request checks) a
 `agenerate`, whose result it turns into a response and /metrics. Here both come from the
 backend controller: prompts are tokenized here and sent as token ids; a request the backend
 cannot honour (stop strings, penalties, logprobs, ...: only temperature, top-p, seed and
-max_tokens reach the engine) is refused by name; a streamed request gets its output in one
-piece once the backend has answered (the backends are called without streaming).
+max_tokens reach the engine) is refused by name; a streamed request gets its tokens as the
+backend streams them (llama.cpp always; a routing backend's replicas where they send token ids).
 """
 
 from __future__ import annotations
@@ -96,12 +96,16 @@ class ServedBackend:
                         **options) -> ControlledResult:
         if unsupported := unsupported_options(SamplingParams(temperature, top_p, seed, **options)):
             raise InvalidRequestError(f"{', '.join(unsupported)}: not supported when serving on a backend")
+        def on_tokens(tokens: list[int]) -> None:  # on the controller's thread, as the engine's streamers are
+            streamer.put(torch.tensor(tokens))
+
         call = functools.partial(self.controller.generate, prompt, request_class, max_new_tokens, temperature,
-                                 top_p, seed)
-        result = await asyncio.get_running_loop().run_in_executor(self._threads, call)
-        if streamer is not None:
-            streamer.put(torch.tensor(result.tokens))
-            streamer.end()
+                                 top_p, seed, on_tokens if streamer is not None else None)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._threads, call)
+        finally:
+            if streamer is not None:
+                streamer.end()
         return controlled(result)
 
     def save(self) -> None:
