@@ -611,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: origins whose browser pages may call the server (vLLM's default: any)")
     p.add_argument("--max-body-bytes", type=at_least(1), default=8 << 20, metavar="N",
                    help="a request body longer than this (8 MiB) is refused (413) before it is read")
-    p.add_argument("--head-timeout", type=float, default=15.0, metavar="SECONDS",
+    p.add_argument("--head-timeout", type=at_least(0.001, float), default=15.0, metavar="SECONDS",
                    help="a connection that has not sent its request's line and headers by then is closed")
     p.add_argument("--max-connections", type=at_least(0), default=0, metavar="N",
                    help="open connections at most; past it the one idle longest is closed (0: what the process's"

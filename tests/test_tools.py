@@ -99,6 +99,7 @@ def test_cli_gives_clear_errors_and_exit_codes(tmp_path, capsys):
     assert usage.value.code == 2
     for argv, words in [(["demo", "--requests", "-1"], "argument --requests: must be >= 1, got -1"),  # ran 0, exit 0
                         (["serve", "--port", "99999"], "argument --port: must be in 0..65535"),  # a traceback, exit 1
+                        (["serve", "--head-timeout", "-1"], "argument --head-timeout: must be >= 0.001"),
                         (["tune", "--budget", "0"], "argument --budget: must be >= 1"),  # optuna: Record does not exist
                         (["bench", "controller", "--burst-share", "2"], "argument --burst-share: must be in 0..1")]:
         with pytest.raises(SystemExit) as usage:
