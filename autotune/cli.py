@@ -258,8 +258,9 @@ def _bench_backends(args, bench) -> dict:
     """The controller on llama.cpp against every static setting, and this engine against llama.cpp."""
     from transformers import AutoTokenizer
 
-    from autotune.backends import LlamaCppBackend, family_servers
+    from autotune.backends import LLAMA_CPP_PYTHON, LlamaCppBackend, family_servers
     from autotune.bench.tenants import tenant_classes
+    from autotune.classes import builtin_classes
     from autotune.zoo import DEFAULT_FAMILY_DIR
 
     llama = _llamacpp(args)
@@ -271,13 +272,13 @@ def _bench_backends(args, bench) -> dict:
         classes = _classes(args)
         if args.many_classes:
             classes = tenant_classes(classes, args.many_classes)
-        result = {"llama_cpp_python": bench.LLAMA_CPP_PYTHON, "servers": [s.spec.name for s in servers]}
+        result = {"llama_cpp_python": LLAMA_CPP_PYTHON, "servers": [s.spec.name for s in servers]}
         result["controller"] = bench.bench_backend_controller(
             backend, classes, tokenizer, 3 if args.quick else args.per_class or 50, backend.arms(),
             args.policies.split(","))
-        peer_classes = _classes(argparse.Namespace(classes="code,edit"))
+        peer_classes = [builtin_classes(include_shared=False)[name] for name in ("code", "edit")]
         count = 2 if args.quick else args.prompts
-        prompts = [tokenizer.encode(p) for c in peer_classes.values() for p in c.prompts[:count]]
+        prompts = [tokenizer.encode(p) for c in peer_classes for p in c.prompts[:count]]
         engines = {"eager": _engine(args, compile_=False), "compiled": _engine(args, compile_=True)}
         result["peer"] = bench.bench_peer(backend, engines, prompts * 2, args.max_new_tokens)
     finally:

@@ -127,7 +127,7 @@ def _sampling(temperature: float, top_p: float, seed: int | None, options: dict)
     return SamplingParams(temperature, top_p, seed, **options)
 
 
-def _check_label(request_class: str | None) -> None:
+def check_label(request_class: str | None) -> None:
     if request_class is not None and not isinstance(request_class, str):
         raise InvalidRequestError(f"request_class must be a string (or None: classify it), got {request_class!r}")
     if request_class == MIXED_CLASS:
@@ -338,7 +338,7 @@ class AutotuneController:
         arrived = time.perf_counter()
         ends = EndsOnce(streamer) if streamer is not None else None
         try:
-            _check_label(request_class)
+            check_label(request_class)
             sampling = self.engine.bad_words_as_ids(_sampling(temperature, top_p, seed, sampling_options))
             ids = self.engine.encode(prompt).tolist()
             if self.coalescer is None:
@@ -396,7 +396,7 @@ class AutotuneController:
                                           f"{type(prompts).__name__}: wrap it as [prompt]")
             if not prompts:
                 raise InvalidRequestError("the batch is empty")
-            _check_label(request_class)
+            check_label(request_class)
             seeds = seeds if seeds is not None else [None] * len(prompts)
             ends = ends or [None] * len(prompts)
             if len(seeds) != len(prompts) or len(ends) != len(prompts):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from autotune.backends.base import Backend, BackendError, BackendRequest, BackendResponse, TokenSink
 from autotune.backends.costs import BackendCosts
+from autotune.controller import DEFAULT_CLASS, check_label
 from autotune.learning import SharedLearning
 from autotune.metrics import request_features
 from autotune.saving import BackgroundSaver
@@ -35,7 +36,6 @@ from policies import Context, Outcome, Policy, make_policy
 
 logger = logging.getLogger(__name__)
 COSTS_POLICY = "__backend_costs__"  # OFF's decode rates and round-time fits (costs.py)
-DEFAULT_CLASS = "default"
 
 
 def bounded_speedup(rate: float, off_rate: float, response: BackendResponse) -> float:
@@ -109,8 +109,7 @@ class BackendController:
                  on_tokens: TokenSink | None = None) -> BackendResult:
         """Serve one request on the arm the policy picks for its class and the load; learn from it.
         `on_tokens` gets the output's token ids as they arrive, where the backend streams them."""
-        if request_class is not None and (not isinstance(request_class, str) or not request_class):
-            raise InvalidRequestError(f"request_class must be a non-empty string or None, got {request_class!r}")
+        check_label(request_class)  # the store keeps every label: one it cannot take would fail its saves
         ids = self._ids(prompt)
         sampling = SamplingParams(temperature, top_p, seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:

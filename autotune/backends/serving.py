@@ -94,8 +94,8 @@ class ServedBackend:
     async def agenerate(self, prompt: list[int], request_class: str | None = None, max_new_tokens: int = 64,
                         temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, streamer=None,
                         **options) -> ControlledResult:
-        if unsupported := unsupported_options(SamplingParams(temperature, top_p, seed, **options)):
-            raise InvalidRequestError(f"{', '.join(unsupported)}: not supported when serving on a backend")
+        """`options` were checked when the server admitted the request (`check_request`): none is set."""
+
         def on_tokens(tokens: list[int]) -> None:  # on the controller's thread, as the engine's streamers are
             streamer.put(torch.tensor(tokens))
 

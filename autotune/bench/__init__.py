@@ -6,7 +6,6 @@ here asserts speed; the numbers go to a table and to JSON (docs/measurements.md 
 run with its command).
 """
 
-from autotune.backends.llamacpp_build import LLAMA_CPP_PYTHON
 from autotune.bench.arms import BENCH_KS, bench_arms
 from autotune.bench.backends import bench_backend_controller, bench_peer
 from autotune.bench.cache import bench_cache, bench_long_batch
@@ -32,7 +31,7 @@ from autotune.bench.serving import bench_serve
 from autotune.bench.store_speed import bench_store
 from autotune.bench.tenants import bench_many_classes
 
-__all__ = ["BENCH_KS", "LLAMA_CPP_PYTHON", "bench_arms", "bench_backend_controller",
+__all__ = ["BENCH_KS", "bench_arms", "bench_backend_controller",
            "bench_cache", "bench_choices", "bench_chunked", "bench_chunked_clients",
            "bench_concurrency", "bench_controller", "bench_decisions", "bench_durability", "bench_engine",
            "bench_hostile", "bench_lengths", "bench_limits", "bench_long_batch", "bench_lossless", "bench_many_classes",
