@@ -420,7 +420,13 @@ def _bench_replay(args, engine, bench) -> dict:
 
 
 def _bench_arms(args, engine, bench) -> dict:
-    arms = _every_arm(engine, (2, 4) if args.quick else bench.BENCH_KS)
+    from engine import OFF, Arm
+
+    arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else \
+        _every_arm(engine, (2, 4) if args.quick else bench.BENCH_KS)
+    arms = [OFF] + [a for a in arms if a != OFF]  # every speedup is over OFF, measured beside it
+    for arm in arms:
+        engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
     return bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
                             32 if args.quick else None, batch=args.batch)
 
@@ -542,6 +548,18 @@ def cmd_zoo_train(args) -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "family"}, indent=2))
 
 
+def cmd_zoo_train_head(args) -> None:
+    from dataclasses import replace
+
+    from autotune.head_training import HeadSpec, train_head
+
+    spec = HeadSpec(seed=args.seed)
+    spec = replace(spec, steps=max(1, int(spec.steps * args.scale)))
+    report = train_head(Path(args.family) if args.family else None, spec,
+                        out=Path(args.out) if args.out else None)
+    print(json.dumps(report, indent=2))
+
+
 def at_least(low: float, kind: type = int, high: float | None = None):
     """An argparse type: a `kind` number in [low, high], refused by argparse (exit 2, naming
     the option) otherwise, rather than accepted and run on silently (a demo of -1 requests) or
@@ -651,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bench engine: every method decodes with this repetition penalty")
     p.add_argument("--no-repeat-ngram", type=at_least(0), default=0, metavar="N",
                    help="bench engine: no method repeats an N-gram (the engine through a caller's logits processor)")
-    p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4)")
+    p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4); bench"
+                                       " arms: the arms to measure (default: OFF and every drafter at every K)")
     p.add_argument("--prompts", type=at_least(1), default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
@@ -711,6 +730,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=at_least(0.001, float), default=1.0, help="scale every member's training steps")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_zoo_train)
+    p = zoo.add_parser("train-head", help="train the feature (EAGLE-style) head for a family's target")
+    p.add_argument("--family", help="model family folder (default: the built-in family)")
+    p.add_argument("--out", help="folder to write the head to (default: FAMILY/feature, added to the family)")
+    p.add_argument("--scale", type=at_least(0.001, float), default=1.0, help="scale the training steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_zoo_train_head)
     return parser
 
 

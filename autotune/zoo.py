@@ -10,7 +10,6 @@ the target generates).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -24,6 +23,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from autotune.corpus import shared_training_texts, stdlib_texts
+from engine.identity import weights_hash
 from engine.runner import cache_argument
 
 EOS = "<|endoftext|>"
@@ -291,27 +291,21 @@ def family_dir(path: Path | None = None) -> Path:
     return folder
 
 
-def content_hash(folder: Path) -> str:
-    """Short sha256 of a model folder's weights: identifies a model beyond its name."""
-    digest = hashlib.sha256()
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[str] | None = None,
                 ngram: bool = True, compile: bool | None = None, dtype: torch.dtype | None = None,
                 prefix_cache_tokens: int = 0):
-    """An engine over a trained family: its target, its drafters (all by default), n-gram lookup
-    and, with the distilled drafter, the hybrid of the two (`ngram+distilled`)."""
+    """An engine over a trained family: its target, its drafters (all by default: the model
+    drafters and the feature head, where the family has one), n-gram lookup and, with the
+    distilled drafter and with the feature head, the hybrids (`ngram+distilled`, `ngram+feature`)."""
     from engine import HybridDrafter, NGramDrafter, SpeculativeEngine
 
     folder = family_dir(folder)
     manifest = json.loads((folder / "family.json").read_text())
-    names = manifest["drafters"] if drafters is None else drafters
-    unknown = set(names) - set(manifest["drafters"])
+    available = manifest["drafters"] + ([manifest["feature_head"]] if manifest.get("feature_head") else [])
+    names = available if drafters is None else drafters
+    unknown = set(names) - set(available)
     if unknown:
-        raise ValueError(f"unknown drafter(s) {sorted(unknown)}; this family has {manifest['drafters']}")
+        raise ValueError(f"unknown drafter(s) {sorted(unknown)}; this family has {available}")
     engine = SpeculativeEngine(folder / manifest["target"], device=device, dtype=dtype, compile=compile,
                                prefix_cache_tokens=prefix_cache_tokens)
     for name in names:
@@ -320,12 +314,21 @@ def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[
         engine.add_drafter("ngram", NGramDrafter(max_ngram=3))
         if "distilled" in engine.drafters:  # the same weights, a cache of its own
             engine.add_drafter("ngram+distilled", HybridDrafter(engine.drafters["distilled"].model, max_ngram=3))
-    hashes = {name: content_hash(folder / name) for name in [manifest["target"], *names]}
+        if (head := manifest.get("feature_head")) in engine.drafters:  # one head: requests take turns on it
+            engine.add_drafter(f"ngram+{head}", HybridDrafter(engine.drafters[head], max_ngram=3))
+    hashes = {name: weights_hash(folder / name) for name in [manifest["target"], *names]}
     engine.identity = ";".join(f"{n}@{h}" for n, h in hashes.items())
     engine.model_records = [
         {"name": name, "role": "target" if name == manifest["target"] else "drafter", "path": str(folder / name),
-         "content_hash": h, "params": manifest["members"][name]["params"],
+         "content_hash": h, "params": _params(folder, manifest, name),
          "size_bytes": sum(f.stat().st_size for f in (folder / name).glob("*.safetensors"))}
         for name, h in hashes.items()
     ]
     return engine
+
+
+def _params(folder: Path, manifest: dict, name: str) -> int:
+    """A member's parameter count, from the family's manifest (a head's from its own report)."""
+    if name in manifest["members"]:
+        return manifest["members"][name]["params"]
+    return json.loads((folder / name / "head.json").read_text())["training"]["params"]

@@ -31,6 +31,7 @@ class Capabilities:
 
     batch: bool = False  # drafts for a batch's rows: its `lookup` row by row, its `model_drafter` in batched steps
     replay: bool = False  # the controller can replay it on a served request's tokens (autotune/counterfactual.py)
+    features: bool = False  # drafts from the target's hidden states, handed over by `take_features` (engine/feature.py)
 
 
 NOTHING_MORE = Capabilities()
@@ -179,44 +180,59 @@ class NGramDrafter:
 
 
 class HybridDrafter:
-    """Prompt lookup where the context repeats itself, a model drafter everywhere else.
+    """Prompt lookup where the context repeats itself, a model (or feature) drafter everywhere else.
 
     The best single drafter changes within a request: stretches that copy the prompt or loop
     are drafted for free and at length by lookup, fresh text only by a model. Each round takes
     lookup's draft when the last `min_match` tokens occurred earlier in the context (a 1-token
-    match is almost always found and seldom right), else the model's. The model's cache skips
-    the lookup rounds and catches up on their tokens at its next draft (one forward; 2 tokens a
-    step on a compiled runner, whose graphs are 1 and 2 tokens wide), so switching never
-    recomputes the prefix. Lossless like any drafter: each round is verified
-    as usual (a lookup draft is a point mass under rejection sampling).
+    match is almost always found and seldom right), else the inner drafter's. A model's cache
+    skips the lookup rounds and catches up on their tokens at its next draft (one forward; 2
+    tokens a step on a compiled runner, whose graphs are 1 and 2 tokens wide), so switching never
+    recomputes the prefix; a feature head catches up the same way on the features handed over
+    meanwhile. Lossless like any drafter: each round is verified as usual (a lookup draft is a
+    point mass under rejection sampling). It can do what its inner drafter can.
     """
 
-    capabilities = Capabilities(batch=True, replay=True)
-
-    def __init__(self, model: PreTrainedModel | ModelDrafter, max_ngram: int = 3, min_match: int = 2) -> None:
-        self.model_drafter = model if isinstance(model, ModelDrafter) else ModelDrafter(model)
+    def __init__(self, model: PreTrainedModel | Drafter, max_ngram: int = 3, min_match: int = 2) -> None:
+        self.inner = ModelDrafter(model) if isinstance(model, PreTrainedModel) else model
+        self.model_drafter = model_drafter_of(self.inner)
+        self.capabilities = capabilities(self.inner)
         self.lookup = NGramDrafter(max_ngram, min_match)
 
     @property
-    def vocab_size(self) -> int:
-        return self.model_drafter.vocab_size
+    def vocab_size(self) -> int | None:
+        return self.inner.vocab_size
 
     @property
     def max_length(self) -> int | None:
-        return self.model_drafter.max_length
+        return self.inner.max_length
 
     @property
     def tokenizer(self):
-        return self.model_drafter.tokenizer
+        return getattr(self.inner, "tokenizer", None)
+
+    # A feature drafter's (engine/feature.py), when it is the inner one.
+    def attach(self, name: str, target, target_hash: str | None, **options) -> None:
+        self.inner.attach(name, target, target_hash, **options)
+
+    def take_features(self, start: int, hidden: torch.Tensor) -> None:
+        self.inner.take_features(start, hidden)
+
+    def warm_up(self, ks: list[int]) -> None:
+        self.inner.warm_up(ks)
+
+    @property
+    def compile_s(self) -> dict[str, float]:
+        return getattr(self.inner, "compile_s", {})
 
     def begin(self, prompt: torch.Tensor, max_length: int) -> None:
-        self.model_drafter.begin(prompt, max_length)
+        self.inner.begin(prompt, max_length)
 
     def propose(self, tokens, k, params, generator):
         draft, _ = self.lookup.propose(tokens, k, params, generator)
         if draft:
             return draft, None
-        return self.model_drafter.propose(tokens, k, params, generator)
+        return self.inner.propose(tokens, k, params, generator)
 
     def rollback(self, valid_length: int) -> None:
-        self.model_drafter.rollback(valid_length)  # after a lookup round the model is behind: nothing to forget
+        self.inner.rollback(valid_length)  # after a lookup round the drafter is behind: nothing to forget

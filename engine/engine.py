@@ -26,6 +26,8 @@ from engine.arms import MAX_K, OFF, Arm
 from engine.batch import BatchRun, check_batchable
 from engine.drafters import Drafter, ModelDrafter, capabilities, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
+from engine.feature import FeatureDrafter, is_head_folder
+from engine.identity import weights_hash
 from engine.kvcache import recurrent_kinds, uses_alibi
 from engine.prefix import PrefixCache
 from engine.results import BatchRequest, BatchResult, GenerationMetrics, GenerationResult
@@ -68,6 +70,8 @@ class _Alone:
         """The drafter's prefill; one that fails leaves the request OFF."""
         try:
             self.drafter.begin(prompt, max_length)
+            if capabilities(self.drafter).features:
+                self.drafter.take_features(self.runner.reused, self.runner.hidden)
         except Exception as exc:  # speculation must never lose a request
             self.fall_back(f"drafter prefill: {type(exc).__name__}: {exc}")
 
@@ -86,8 +90,15 @@ class _Alone:
 
     def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts) -> None:
         self.runner.truncate(start + kept)
-        if drafts.tokens[b] and self.drafter is not None:
+        if self.drafter is None:
+            return
+        if drafts.tokens[b]:
             self.drafter.rollback(start + kept)
+        if capabilities(self.drafter).features:  # the verify fed the last token and the drafts from start - 1
+            try:
+                self.drafter.take_features(start - 1, self.runner.hidden[: kept + 1])
+            except Exception as exc:
+                self.fall_back(f"drafter features: {type(exc).__name__}: {exc}")
 
     def fall_back(self, error: str) -> None:
         self.drafter, self.fell_back, self.error = None, True, error
@@ -124,6 +135,9 @@ class SpeculativeEngine:
         self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
         self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         self.runner = ModelRunner(self.target, self.cache_kind, compiled_cache_len)
+        # The target's weights, for drafters trained for exactly this target (engine/feature.py).
+        folder = self.target.name_or_path  # where from_pretrained found it ("" if built in memory)
+        self.target_hash = weights_hash(folder) if folder and Path(folder).is_dir() else None
         # Each model keeps this many tokens of earlier prompts' keys and values (0: none), so a
         # request that starts as one did prefills only the rest (engine/prefix.py).
         self.prefix_cache_tokens = prefix_cache_tokens
@@ -149,13 +163,16 @@ class SpeculativeEngine:
         return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
     def add_drafter(self, name: str, drafter, tokenizer=None) -> None:
-        """Register a drafter: a model, a local model folder, or any `Drafter` object."""
+        """Register a drafter: a model, a local model folder, a feature head's folder (engine/feature.py),
+        or any `Drafter` object."""
         if not self.runner.verifies:
             raise IncompatibleDrafterError(
                 f"the target ({type(self.target).__name__}) cannot verify drafts: its steps of several tokens"
                 " do not continue its recurrent state (see ModelRunner._check_steps); it decodes OFF only"
             )
-        if isinstance(drafter, (str, Path)):
+        if isinstance(drafter, (str, Path)) and is_head_folder(drafter):
+            drafter = FeatureDrafter.load(drafter)
+        elif isinstance(drafter, (str, Path)):
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(drafter)
             drafter = _load(drafter, self.device, self.dtype)
@@ -171,6 +188,10 @@ class SpeculativeEngine:
                     f"drafter {name!r} ({type(model.model).__name__}) cannot draft: its steps of several tokens"
                     " do not continue its recurrent state, and a drafter catches up and rolls back in such steps"
                 )
+        if capabilities(drafter).features:
+            drafter.attach(name, self.target, self.target_hash, compiled=self.cache_kind == "compiled",
+                           compiled_cache_len=self.compiled_cache_len)
+            self.runner.keeps_hidden = True
         vocab = getattr(drafter, "vocab_size", None)
         if vocab is not None and vocab != self.vocab_size:
             raise IncompatibleDrafterError(
@@ -217,6 +238,8 @@ class SpeculativeEngine:
             for length in range(1, top + 2):
                 self.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=length)
             for name in {a.drafter for a in arms if not a.is_off}:
+                if capabilities(self.drafters.get(name)).features:  # its draft loops, one graph per K
+                    self.drafters[name].warm_up(list(range(1, top + 1)))  # K shrinks near a request's end
                 drafter = model_drafter_of(self.drafters.get(name))
                 if drafter is not None:
                     drafter.runner.begin(prompt, prompt.numel() + 2)
@@ -231,6 +254,8 @@ class SpeculativeEngine:
             model = model_drafter_of(drafter)
             if model is not None and model.runner.compile_s:
                 report[name] = dict(model.runner.compile_s)
+            elif getattr(drafter, "compile_s", None):  # a feature head's draft loops
+                report[name] = dict(drafter.compile_s)
         return report
 
     @property

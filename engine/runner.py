@@ -135,6 +135,10 @@ class ModelRunner:
         self.reused = 0  # prompt positions the last `begin` took from `prefixes`
         self._cache_arg = cache_argument(model)
         self.verifies = True  # a step of several tokens continues from the cache (see `_check_steps`)
+        # Keep the last hidden states (what the LM head reads) of every forward's positions in
+        # `hidden` [T, H], for a drafter that drafts from them (engine/feature.py).
+        self.keeps_hidden = False
+        self.hidden: torch.Tensor | None = None
         if self.recurrent:
             self._check_steps()
         self._eager_request = cache != "compiled"  # a compiled runner serves too-long requests eagerly
@@ -178,13 +182,15 @@ class ModelRunner:
         self.reused, kept = self.prefixes.lookup(tokens) if keeps and logits_to_keep else (0, None)
         if kept is None:
             out = self.model(prompt[None], **{self._cache_arg: self._cache}, use_cache=True,
-                             logits_to_keep=logits_to_keep)
+                             logits_to_keep=logits_to_keep, output_hidden_states=self.keeps_hidden)
         else:
             for layer, (keys, values) in zip(self._cache.layers, kept, strict=True):
                 layer.update(keys, values)
             positions = torch.arange(self.reused, prompt.numel(), device=prompt.device)
             out = self.model(prompt[None, self.reused:], **{self._cache_arg: self._cache}, use_cache=True,
-                             logits_to_keep=logits_to_keep, cache_position=positions, position_ids=positions[None])
+                             logits_to_keep=logits_to_keep, cache_position=positions, position_ids=positions[None],
+                             output_hidden_states=self.keeps_hidden)
+        self.hidden = out.hidden_states[-1][0] if self.keeps_hidden else None
         if keeps:
             self.keep(tokens)
         return out.logits[0]
@@ -229,7 +235,7 @@ class ModelRunner:
                         if state is not None:
                             state.add_(1.0)
                 positions = torch.arange(4, 4 + len(tokens), device=tokens.device)
-                return self._eager_step(tokens[None], positions, len(tokens))
+                return self._eager_step(tokens[None], positions, len(tokens))[0]
 
             def reads_every_kind(tokens: torch.Tensor) -> bool:
                 as_is = step(tokens)
@@ -250,7 +256,8 @@ class ModelRunner:
             self._cache, self._checkpoint, self._fed = None, None, []
 
     def step(self, tokens: torch.Tensor, start: int, keep: int) -> torch.Tensor:
-        """Logits [keep, V] for the last `keep` of `tokens` [1, T], fed at positions start..start+T-1."""
+        """Logits [keep, V] for the last `keep` of `tokens` [1, T], fed at positions start..start+T-1
+        (and in `hidden` their hidden states [T, H], if `keeps_hidden`)."""
         # Explicit positions, as generate() passes them; a tensor, so compiled graphs do not
         # specialize on the position.
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
@@ -259,17 +266,19 @@ class ModelRunner:
                 self._checkpoint = StateCheckpoint(self._cache, start)
             self._fed.append(tokens)
         if self._eager_request:
-            return self._eager_step(tokens, positions, keep)
+            logits, self.hidden = self._eager_step(tokens, positions, keep)
+            return logits
         shape = f"{tokens.shape[1]}->{keep}"  # tokens in -> logits out: one graph each
         if shape in self.compile_s:
-            logits = self._compiled(tokens, positions, keep)
+            logits, hidden = self._compiled(tokens, positions, keep)
         else:  # the first call of a length compiles its graph, under that length's settings
             began = time.perf_counter()
             with self._one_token if tokens.shape[1] == 1 else self._many_tokens:
-                logits = self._compiled(tokens, positions, keep)
+                logits, hidden = self._compiled(tokens, positions, keep)
             self.compile_s[shape] = time.perf_counter() - began
-        if tokens.device.type == "cuda":
-            logits = logits.clone()  # a CUDA graph overwrites its output buffer on the next replay
+        if tokens.device.type == "cuda":  # a CUDA graph overwrites its output buffers on the next replay
+            logits, hidden = logits.clone(), None if hidden is None else hidden.clone()
+        self.hidden = hidden
         return logits
 
     def _own_step(self):
@@ -279,9 +288,12 @@ class ModelRunner:
         code = ModelRunner._eager_step.__code__.replace()  # an equal but distinct code object
         return types.MethodType(types.FunctionType(code, ModelRunner._eager_step.__globals__), self)
 
-    def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor, keep: int) -> torch.Tensor:
-        return self.model(tokens, **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=keep,
-                          cache_position=positions, position_ids=positions[None]).logits[0]
+    def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor,
+                    keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [keep, V], and the hidden states [T, H] if `keeps_hidden`."""
+        out = self.model(tokens, **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=keep,
+                         cache_position=positions, position_ids=positions[None], output_hidden_states=self.keeps_hidden)
+        return out.logits[0], (out.hidden_states[-1][0] if self.keeps_hidden else None)
 
     def cached(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """A copy of each layer's keys and values [1, heads, length, width] for the first `length`

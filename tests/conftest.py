@@ -57,3 +57,16 @@ def store_url(request):
         pytest.skip("no PostgreSQL server: `.ci/postgres start DIR` prints a URL for AUTOTUNE_TEST_POSTGRES_URL")
     with fresh_stores(server) as fresh:
         yield fresh(request.param, "test")
+
+
+
+def feature_head(target, seed: int = 0):
+    """An untrained feature head (engine/feature.py) for `target`: its drafts are seldom kept,
+    which a lossless test does not mind."""
+    from engine.feature import FeatureDrafter, FeatureHead, HeadConfig
+
+    torch.manual_seed(seed)
+    config = target.config
+    head = FeatureHead(HeadConfig(hidden=config.hidden_size, vocab_size=config.vocab_size,
+                                  heads=config.num_attention_heads, ffn=2 * config.hidden_size, target_hash="test"))
+    return FeatureDrafter(head.eval())

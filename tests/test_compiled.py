@@ -2,16 +2,27 @@
 is as lossless as the eager one, and compiles everything before serving."""
 
 import pytest
+from conftest import feature_head
 from test_engine import hf_greedy, prompts
 
 from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
-ARMS = ["off", "small:3", "ngram:3", "hybrid:3"]
+ARMS = ["off", "small:3", "ngram:3", "hybrid:3", "feature:3"]
 
 
 @pytest.fixture(scope="module")
-def compiled(target, draft_model):
-    drafters = {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "hybrid": HybridDrafter(draft_model)}
+def head(target):
+    return feature_head(target)
+
+
+def eager_drafters(draft_model, head) -> dict:
+    return {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "hybrid": HybridDrafter(draft_model),
+            "feature": head}
+
+
+@pytest.fixture(scope="module")
+def compiled(target, draft_model, head):
+    drafters = eager_drafters(draft_model, head)
     engine = SpeculativeEngine(target, drafters, compile=True, prefix_cache_tokens=1024)  # prompts >= 17 tokens reuse
     return engine, engine.warm_up(ARMS)
 
@@ -22,6 +33,7 @@ def test_warm_up_compiles_every_step_length_and_serving_compiles_nothing_more(co
     assert set(report["target"]) == {"1->1", "2->2", "3->3", "4->4"}  # OFF, and K+1 for K = 1..3
     assert set(report["small"]) == {"1->1", "2->1"}  # 1 token, or 2 after a fully accepted draft
     assert set(report["hybrid"]) == {"1->1", "2->1"}  # its model catches up on lookup rounds 2 tokens a step
+    assert set(report["feature"]) == {"loop of 1", "loop of 2", "loop of 3"}  # a round's draft steps: one graph
     assert "ngram" not in report  # no model, nothing to compile
     for prompt in prompts(4, seed=2):
         for arm in ARMS:
@@ -29,10 +41,11 @@ def test_warm_up_compiles_every_step_length_and_serving_compiles_nothing_more(co
     assert engine.compile_report() == report
 
 
-def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
+def test_compiled_greedy_equals_target_generate(compiled, target, draft_model, head):
     engine, _ = compiled
-    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3),
-                                       "hybrid": HybridDrafter(draft_model)})
+    # Prefixes kept as the compiled engine keeps them: a feature head drafts from the features
+    # of the positions prefilled, which a kept prefix spares.
+    eager = SpeculativeEngine(target, eager_drafters(draft_model, head), prefix_cache_tokens=1024)
     accepted = reused = 0
     for i, prompt in enumerate(prompts(10)):
         max_new = 17 + i % 5  # the last draft crosses max_new_tokens: shorter verify steps
@@ -47,10 +60,9 @@ def test_compiled_greedy_equals_target_generate(compiled, target, draft_model):
     assert accepted > 0 and reused > 0
 
 
-def test_compiled_sampling_matches_the_eager_engine_draw_for_draw(compiled, target, draft_model):
+def test_compiled_sampling_matches_the_eager_engine_draw_for_draw(compiled, target, draft_model, head):
     engine, _ = compiled
-    eager = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(max_ngram=3),
-                                       "hybrid": HybridDrafter(draft_model)})
+    eager = SpeculativeEngine(target, eager_drafters(draft_model, head))
     params = SamplingParams(temperature=0.8, seed=5)
     for prompt in prompts(4, seed=9):
         for arm in ARMS:

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_qwen3_next
+from conftest import feature_head, tiny_llama, tiny_qwen3_next
 from scipy.stats import chisquare
 from transformers import (
     MinPLogitsWarper,
@@ -144,11 +144,15 @@ def p_value(engine, arm, params, expected, samples=SAMPLES):
      ("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3)),
      ("draft:2", SamplingParams(1.0, logit_bias={3: 1.5, 5: -1.0}, allowed_token_ids=[0, 2, 3, 4, 5, 7],
                                 repetition_penalty=1.5)),
-     ("draft:2", SamplingParams(1.0, logits_processor=[NoRepeatNGramLogitsProcessor(2), favour_the_next_id]))],
+     ("draft:2", SamplingParams(1.0, logits_processor=[NoRepeatNGramLogitsProcessor(2), favour_the_next_id])),
+     ("feature:2", SamplingParams(1.0)), ("feature:2", SamplingParams(0.7, 0.9, repetition_penalty=1.5)),
+     ("ngram+feature:2", SamplingParams(1.0))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
     target, drafter = models
-    engine = SpeculativeEngine(target, {"draft": drafter, "ngram": NGramDrafter(2), "hybrid": HybridDrafter(drafter)})
+    engine = SpeculativeEngine(target, {"draft": drafter, "ngram": NGramDrafter(2), "hybrid": HybridDrafter(drafter),
+                                        "feature": feature_head(target),
+                                        "ngram+feature": HybridDrafter(feature_head(target))})
     stats = engine.generate(PROMPT, arm, max_new_tokens=4, sampling=SamplingParams(1.0, seed=0)).metrics
     assert stats.drafted > 0
     assert p_value(engine, arm, params, exact_joint_of_tokens_2_and_3(target, params)) > ALPHA

@@ -36,6 +36,7 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         engine.generate(warm, arm, 4)
     for name, cls in classes.items():
         stats = {str(a): defaultdict(float) for a in arms}
+        positions = {str(a): {"drafted": [0] * a.k, "accepted": [0] * a.k} for a in arms}  # per draft position
         loop_count = 0
         limit = max_new_tokens or cls.max_new_tokens
         if batch == 1:
@@ -60,6 +61,11 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
                 s["accepted"] += m.accepted
                 s["rounds"] += sum(r.metrics.rounds for r in rows)
                 s["requests"] += len(rows)
+                for r in rows:
+                    for what in ("drafted", "accepted"):
+                        counts = getattr(r.metrics, f"{what}_per_position")
+                        for j, n in enumerate(counts[:arm.k]):
+                            positions[str(arm)][what][j] += n
                 if arm.is_off:
                     loop_count += sum(loops(r.tokens) for r in rows)
         off_tps = stats["off"]["tokens"] / stats["off"]["seconds"]
@@ -68,6 +74,9 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
             tps = s["tokens"] / s["seconds"]
             arms_out[arm] = {
                 "acceptance": round(s["accepted"] / s["drafted"], 4) if s["drafted"] else None,
+                # position j: the share of rounds that drafted a j-th token whose first j drafts were all kept
+                "acceptance_per_position": [round(a / d, 4) if d else None for a, d in
+                                            zip(positions[arm]["accepted"], positions[arm]["drafted"])],
                 "mean_accepted": round((s["tokens"] - s["requests"]) / s["rounds"], 3) if s["rounds"] else None,
                 "tokens_per_s": round(tps, 2),
                 "speedup_vs_off": round(tps / off_tps, 3),

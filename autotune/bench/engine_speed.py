@@ -12,14 +12,15 @@ from collections import defaultdict
 from transformers import NoRepeatNGramLogitsProcessor
 
 from autotune.bench.common import compile_total, device_name, hf_generate, rotate
-from engine import OFF, Arm, HybridDrafter, ModelDrafter, SamplingParams, SpeculativeEngine
+from engine import OFF, Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
 
 def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
     """The same models on the default eager path, to measure a compiled engine against."""
     def twin(d):  # a drafter of its own: add_drafter gives a model drafter the twin's runner
         if isinstance(d, HybridDrafter):
-            return HybridDrafter(d.model_drafter.model, d.lookup.max_ngram, d.lookup.min_ngram)
+            inner = d.inner if d.model_drafter is None else d.model_drafter.model  # a feature head keeps no cache
+            return HybridDrafter(inner, d.lookup.max_ngram, d.lookup.min_ngram)
         return d.model if isinstance(d, ModelDrafter) else d
 
     drafters = {n: twin(d) for n, d in engine.drafters.items()}
@@ -46,7 +47,9 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     identical = True
     spec_metrics = []
     off_metrics = []
-    methods = ["hf_generate", "engine_off", "hf_assisted", "engine_spec"]
+    # transformers has assisted generation and prompt lookup, no feature drafting
+    assisted = isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter))
+    methods = ["hf_generate", "engine_off", *(["hf_assisted"] if assisted else []), "engine_spec"]
     engines = {"engine": engine}
     compile_report = None
     if engine.cache_kind == "compiled":
@@ -55,7 +58,8 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         methods += ["eager_off", "eager_spec"]
     warm = encoded[0]  # first calls allocate and pick kernels: keep them out of the timings
     hf_generate(engine, warm, 8, None, **options)
-    hf_generate(engine, warm, 8, arm, **options)
+    if assisted:
+        hf_generate(engine, warm, 8, arm, **options)
     for e in engines.values():
         e.generate(warm, OFF, 8, sampling)
         e.generate(warm, arm, 8, sampling)
@@ -93,7 +97,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         "no_repeat_ngram": no_repeat_ngram,
         "tokens_per_s": {m: round(v, 2) for m, v in tps.items()},
         "ratio_off_vs_hf_generate": round(tps["engine_off"] / tps["hf_generate"], 3),
-        "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3),
+        "ratio_spec_vs_hf_assisted": round(tps["engine_spec"] / tps["hf_assisted"], 3) if assisted else None,
         "speedup_vs_off": round(speedup, 3),
         "off_step_ms": round(off_step * 1000, 3),
         "acceptance": round(a, 4),

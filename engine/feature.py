@@ -1,0 +1,334 @@
+"""Feature drafting, EAGLE-style: a one-layer head drafts from the target's own hidden states.
+
+Terms, as EAGLE defines them:
+- feature f_t: the target's last hidden state at position t, the vector its LM head reads
+  (after the final norm), which predicts token x_{t+1};
+- pair t: (f_t, x_{t+1}), the head's input at position t: what the target knew at t, and
+  the token that was then chosen.
+
+The head (`FeatureHead`) fuses a pair into one vector (a linear layer over [embedding of
+x_{t+1}; f_t]), runs one decoder layer over the pairs so far, and predicts f_{t+1}; the
+target's own LM head turns that into a distribution over x_{t+2}, and the target's embedding
+table embeds the tokens, so the head owns neither. Drafting K tokens is K head steps: the
+first over the pairs the target has handed over since the last round (real features), each
+later one over (the head's predicted feature, the token it just drafted).
+
+The target computes the features anyway: the engine asks its runner to keep them
+(`ModelRunner.keeps_hidden`) and hands over, after every target forward, those of the
+positions it committed (`FeatureDrafter.take_features`), so drafting costs no extra target
+forward. The head's cache is indexed by position; entries written from predicted features
+lie beyond the real ones and are overwritten by the next round's real pairs, as a static
+cache overwrites rejected positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.drafters import Capabilities
+from engine.errors import IncompatibleDrafterError
+from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, keep_parameter_identity_guards
+from engine.sampling import SamplingParams, adjust_logits, probabilities, sample
+
+HEAD_CONFIG = "head.json"
+HEAD_WEIGHTS = "head.safetensors"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """A head's shape, and the target it was trained for."""
+
+    hidden: int  # the target's hidden size: a feature's width
+    vocab_size: int  # the target's vocabulary
+    heads: int
+    ffn: int
+    target_hash: str  # weights_hash of the target's folder (engine/identity.py)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x.float() * scale).to(x.dtype) * self.weight
+
+
+@dataclass
+class HeadCache:
+    """Keys and values [1, heads, length, head_dim] by position; `start`: the first position held.
+
+    A fixed cache (a compiled drafter's, kept across requests) is written in place at tensor
+    positions and attended whole under a mask, so its graphs never depend on where a request is;
+    `start_at` holds `start` as a tensor for them."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int = 0
+    start_at: torch.Tensor | None = None
+
+    def begin_at(self, start: int) -> None:
+        self.start = start
+        if self.start_at is not None:
+            self.start_at.fill_(start)
+
+
+class FeatureHead(nn.Module):
+    """[embedding of x_{t+1}; f_t] -> one pre-norm decoder layer (RoPE attention, SwiGLU) -> f_{t+1}."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        width = config.hidden
+        self.fuse = nn.Linear(2 * width, width)
+        self.attention_norm = RMSNorm(width, config.rms_eps)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width, bias=False)
+        self.mlp_norm = RMSNorm(width, config.rms_eps)
+        self.gate_up = nn.Linear(width, 2 * config.ffn, bias=False)
+        self.down = nn.Linear(config.ffn, width, bias=False)
+        self.feature_norm = RMSNorm(width, config.rms_eps)  # features are the target's post-norm states
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                cache: HeadCache | None = None) -> torch.Tensor:
+        """Predicted features [B, T, H] from embeds and features [B, T, H] at `positions` [T].
+        Without a cache the T positions attend causally among themselves (training); with one,
+        they are written at their positions and attend to everything held from `cache.start`."""
+        x = self.fuse(torch.cat([embeds, features], dim=-1))
+        x = x + self._attend(self.attention_norm(x), positions, cache)
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        x = x + self.down(F.silu(gate) * up)
+        return self.feature_norm(x)
+
+    def _attend(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
+        batch, length, _ = x.shape
+        heads, head_dim = self.config.heads, self.config.head_dim
+        q, k, v = self.qkv(x).view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        angles = positions[:, None].float() * self.inv_freq[None]
+        cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is None:
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif cache.start_at is not None:
+            cache.keys.index_copy_(2, positions, k)
+            cache.values.index_copy_(2, positions, v)
+            held = torch.arange(cache.keys.shape[2], device=x.device)
+            mask = (held[None] <= positions[:, None]) & (held[None] >= cache.start_at)
+            attended = F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=mask[None, None])
+        else:
+            first, end = int(positions[0]), int(positions[-1]) + 1
+            cache.keys[:, :, first:end] = k
+            cache.values[:, :, first:end] = v
+            keys, values = cache.keys[:, :, cache.start:end], cache.values[:, :, cache.start:end]
+            mask = None
+            if length > 1:  # the new positions see the held ones and themselves causally
+                held = end - cache.start
+                mask = torch.ones(length, held, dtype=torch.bool, device=x.device).tril(held - length)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.out(attended.transpose(1, 2).reshape(batch, length, -1))
+
+    def save(self, folder: Path, report: dict | None = None) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.detach().contiguous() for name, t in self.state_dict().items()}, folder / HEAD_WEIGHTS)
+        described = {"config": asdict(self.config), "training": report or {}}
+        (folder / HEAD_CONFIG).write_text(json.dumps(described, indent=2))
+
+    @classmethod
+    def load(cls, folder: Path) -> FeatureHead:
+        folder = Path(folder)
+        head = cls(HeadConfig(**json.loads((folder / HEAD_CONFIG).read_text())["config"]))
+        head.load_state_dict(load_file(folder / HEAD_WEIGHTS))
+        return head.eval()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def is_head_folder(path: Path | str) -> bool:
+    return (Path(path) / HEAD_CONFIG).is_file()
+
+
+class FeatureDrafter:
+    """Drafts with a `FeatureHead` from the features the engine hands over (see the module docstring).
+
+    The engine attaches it to its target when it is added (`attach`), which refuses a head
+    trained for another target. On a compiled engine a greedy round's K draft steps run as one
+    compiled graph (`_greedy_drafts`, one per K): a head step is a few dozen small ops, and
+    K calls through Python cost more than their arithmetic. The graph works on a fixed cache
+    kept across requests (`compiled_cache_len` positions, as the target's); a longer request,
+    and a sampled or penalised one (whose draws and logit edits happen on the host), drafts
+    step by step."""
+
+    capabilities = Capabilities(features=True)
+    model_drafter = None
+    lookup = None
+    tokenizer = None
+
+    def __init__(self, head: FeatureHead) -> None:
+        self.head = head
+        self.vocab_size = head.config.vocab_size
+        self.max_length: int | None = None
+        self.compile_s: dict[str, float] = {}  # "loop of K" -> seconds its graph's first call took
+        self._embed: nn.Module | None = None
+        self._lm_head: nn.Module | None = None
+        self._fixed: HeadCache | None = None  # a compiled drafter's, with `_fixed_features`
+        self._fixed_features: torch.Tensor | None = None
+        self._loop = None  # `_greedy_drafts`, compiled
+        self._cache: HeadCache | None = None
+        self._features: torch.Tensor | None = None  # [length, H]: the target's, by position
+        self._have = 0  # positions with real features (from `_cache.start` on)
+        self._fed = 0  # head positions filled from real pairs
+        self._output_start = 0
+
+    @classmethod
+    def load(cls, folder: Path | str) -> FeatureDrafter:
+        return cls(FeatureHead.load(Path(folder)))
+
+    def attach(self, name: str, target: nn.Module, target_hash: str | None, compiled: bool = False,
+               compiled_cache_len: int | None = None) -> None:
+        """Draft for `target`: its embedding table and LM head; refuse a head trained for another."""
+        config, target_config = self.head.config, target.config
+        hidden = getattr(target_config, "hidden_size", None)
+        problems = []
+        if hidden != config.hidden:
+            problems.append(f"hidden size {config.hidden}, the target's is {hidden}")
+        if target_config.vocab_size != config.vocab_size:
+            problems.append(f"vocabulary size {config.vocab_size}, the target's is {target_config.vocab_size}")
+        if target_hash is not None and target_hash != config.target_hash:
+            problems.append(f"it was trained for the target with weights {config.target_hash}, this target's are"
+                            f" {target_hash}")
+        if problems:
+            raise IncompatibleDrafterError(f"feature head {name!r} does not fit this target: {'; '.join(problems)}")
+        if self._embed is target.get_input_embeddings() and (self._fixed is not None) == compiled:
+            return  # attached already (a hybrid drafting with the same head, say)
+        self.head.to(device=target.device, dtype=target.dtype)
+        self._embed, self._lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.max_length = getattr(target_config, "max_position_embeddings", None)
+        self._fixed, self._loop, self.compile_s = None, None, {}
+        if compiled:
+            length = min(compiled_cache_len or COMPILED_CACHE_LEN, self.max_length or COMPILED_CACHE_LEN)
+            self._fixed, self._fixed_features = self._buffers(length)
+            self._fixed.start_at = torch.zeros((), dtype=torch.long, device=target.device)
+            options = {"guard_filter_fn": keep_parameter_identity_guards} if target.device.type == "cpu" else {}
+            mode = "reduce-overhead" if target.device.type == "cuda" else None
+            self._loop = torch.compile(self._greedy_drafts, fullgraph=True, dynamic=False, mode=mode,
+                                       options=options or None)
+
+    def _buffers(self, length: int) -> tuple[HeadCache, torch.Tensor]:
+        param = next(self.head.parameters())
+        shape = (1, self.head.config.heads, length, self.head.config.head_dim)
+        features = param.new_zeros(length, self.head.config.hidden)
+        return HeadCache(param.new_zeros(shape), param.new_zeros(shape)), features
+
+    def begin(self, prompt: torch.Tensor, max_length: int) -> None:
+        if self._embed is None:
+            raise RuntimeError("a feature drafter drafts only once an engine has attached it to its target")
+        if self._fixed is not None and max_length <= self._fixed.keys.shape[2]:
+            self._cache, self._features = self._fixed, self._fixed_features
+        else:
+            self._cache, self._features = self._buffers(max_length)
+        self._have = self._fed = 0
+        self._output_start = prompt.numel()
+
+    def take_features(self, start: int, hidden: torch.Tensor) -> None:
+        """The target's features [T, H] of committed positions start..start+T-1 (a prefill may
+        begin past 0 where a kept prefix spared computing the rest)."""
+        if self._have == 0:
+            self._cache.begin_at(start)
+            self._fed = start
+        elif start > self._have:
+            raise RuntimeError(f"features from position {start} leave a gap after {self._have}")
+        self._features[start:start + hidden.shape[0]] = hidden
+        self._have = start + hidden.shape[0]
+        self._fed = min(self._fed, start)
+
+    def propose(self, tokens, k, params: SamplingParams, generator):
+        last = len(tokens) - 1  # pairs t < last are known: f_t and x_{t+1} are both committed
+        if self._have < last:
+            raise RuntimeError(f"features end at position {self._have}, drafting needs them up to {last}")
+        positions = torch.arange(self._fed, last, device=self._features.device)
+        new_tokens = torch.tensor(tokens[self._fed + 1:last + 1], device=positions.device)
+        feature = self.head(self._embed(new_tokens)[None], self._features[self._fed:last][None], positions,
+                            self._cache)[0, -1]
+        self._fed = last
+        if self._cache is self._fixed and params.greedy and not params.adjusts_logits:
+            return self._compiled_drafts(feature, last, k).tolist(), None
+        draft: list[int] = []
+        dists = []
+        for step in range(k):
+            logits = self._lm_head(feature)
+            if params.adjusts_logits:
+                logits = adjust_logits(logits[None], tokens + draft, [], self._output_start, params)[0]
+            if params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = probabilities(logits, params)
+                token = sample(q, generator)
+                dists.append(q)
+            draft.append(token)
+            if step + 1 < k:
+                position = torch.tensor([last + step], device=positions.device)
+                embed = self._embed(torch.tensor([[token]], device=positions.device))
+                feature = self.head(embed, feature[None, None], position, self._cache)[0, -1]
+        return draft, (torch.stack(dists) if dists else None)
+
+    def _compiled_drafts(self, feature: torch.Tensor, last: int, k: int) -> torch.Tensor:
+        position = torch.tensor([last], device=feature.device)
+        name = f"loop of {k}"
+        if name in self.compile_s:
+            return self._loop(feature, position, k)
+        began = time.perf_counter()
+        with torch._inductor.config.patch(CPU_ONE_TOKEN) if feature.device.type == "cpu" else contextlib.nullcontext():
+            drafts = self._loop(feature, position, k)
+        self.compile_s[name] = time.perf_counter() - began
+        return drafts
+
+    def _greedy_drafts(self, feature: torch.Tensor, position: torch.Tensor, k: int) -> torch.Tensor:
+        """K greedy drafts [K] from the first predicted feature [H]; draft j's step writes the
+        head's cache at `position` + j."""
+        drafts = []
+        for step in range(k):
+            token = self._lm_head(feature).argmax(-1)
+            drafts.append(token)
+            if step + 1 < k:
+                feature = self.head(self._embed(token.view(1, 1)), feature.view(1, 1, -1), position + step,
+                                    self._cache)[0, -1]
+        return torch.stack(drafts)
+
+    def warm_up(self, ks: list[int]) -> None:
+        """Compile the draft loop of every K in `ks` before serving (a compiled drafter's)."""
+        if self._fixed is None:
+            return
+        prompt = torch.zeros(4, dtype=torch.long, device=self._fixed.keys.device)
+        self.begin(prompt, prompt.numel() + 1)
+        self.take_features(0, self._fixed_features.new_zeros(4, self.head.config.hidden))
+        with torch.inference_mode():
+            for k in sorted(set(ks)):
+                self._compiled_drafts(self._fixed_features[0], 4, k)
+
+    def rollback(self, valid_length: int) -> None:
+        # Real pairs were fed only below the last committed token: they all stay. What the draft
+        # steps wrote lies beyond and is overwritten by the next round's real pairs.
+        self._have = min(self._have, valid_length)

@@ -1,0 +1,126 @@
+"""Feature drafting (engine/feature.py): lossless on every path, handed the target's own
+features of exactly the committed positions, trained well enough to pay on the committed
+family, and refusing a head trained for another target."""
+
+import pytest
+import torch
+from conftest import feature_head, tiny_llama
+from test_engine import hf_greedy, prompts
+from transformers import AutoTokenizer
+
+from autotune.head_training import head_losses, target_text
+from autotune.zoo import DEFAULT_FAMILY_DIR, load_engine
+from engine import HybridDrafter, IncompatibleDrafterError, SpeculativeEngine
+from engine.feature import FeatureDrafter
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix-cached"])
+def test_greedy_equals_target_generate_and_the_head_gets_each_committed_positions_features(target, cache,
+                                                                                          monkeypatch):
+    """With prefixes kept, later prompts prefill only their tail: features start there."""
+    handed: dict[int, torch.Tensor] = {}
+    take = FeatureDrafter.take_features
+
+    def recording(self, start, hidden):
+        for i, row in enumerate(hidden):
+            handed[start + i] = row.clone()
+        take(self, start, hidden)
+
+    monkeypatch.setattr(FeatureDrafter, "take_features", recording)
+    head = feature_head(target)
+    engine = SpeculativeEngine(target, {"feature": head, "ngram+feature": HybridDrafter(head)},
+                               static_cache=cache == "static",
+                               prefix_cache_tokens=1024 if cache == "prefix-cached" else 0)
+    reused = 0
+    for i, prompt in enumerate(prompts(8)):
+        max_new = 17 + i % 5
+        reference = hf_greedy(target, prompt, max_new)
+        for arm in ("feature:1", "feature:3", "ngram+feature:4", "feature:8"):
+            handed.clear()
+            result = engine.generate(prompt, arm, max_new_tokens=max_new)
+            assert result.tokens == reference, (i, arm)
+            assert not result.fell_back, result.fallback_error
+            reused += result.metrics.cached_prompt_tokens
+            committed = prompt + result.tokens
+            with torch.no_grad():
+                own = target(torch.tensor([committed]), output_hidden_states=True).hidden_states[-1][0]
+            first = result.metrics.cached_prompt_tokens
+            assert sorted(handed) == list(range(first, len(committed) - 1)), (i, arm)  # each, once it is known
+            torch.testing.assert_close(torch.stack([handed[p] for p in sorted(handed)]), own[first:-1])
+    assert (reused > 0) == (cache == "prefix-cached")
+
+
+def test_the_committed_head_drafts_what_the_target_decodes():
+    """The family's head, trained by `autotune zoo train-head`: most first drafts are kept on code."""
+    from autotune.classes import builtin_classes
+
+    engine = load_engine(drafters=["feature"], ngram=False)
+    drafted = accepted = 0
+    for prompt in builtin_classes(include_shared=False)["code"].prompts[:3]:
+        result = engine.generate(prompt, "feature:4", max_new_tokens=48)
+        assert result.tokens == engine.generate(prompt, "off", max_new_tokens=48).tokens
+        drafted += result.metrics.drafted_per_position[0]
+        accepted += result.metrics.accepted_per_position[0]
+    assert accepted / drafted > 0.7, (accepted, drafted)
+
+
+def test_training_fits_the_head_to_the_targets_own_text(target):
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    text = target_text(target, torch.randint(0, 64, (8, 4), generator=gen), 28, greedy=True, gen=gen)
+    head = feature_head(target).head.train()
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    _, before = head_losses(head, target, text, 0.2)
+    for _ in range(120):
+        loss, _ = head_losses(head, target, text, 0.2)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+    _, after = head_losses(head, target, text, 0.2)
+    assert before["agree_1"] < 0.2 and after["agree_1"] > 0.6 and after["agree_2"] > 0.4, (before, after)
+
+
+def test_a_head_that_raises_mid_request_leaves_it_to_off(target, monkeypatch):
+    head = feature_head(target)
+    engine = SpeculativeEngine(target, {"feature": head})
+    calls = {"n": 0}
+    forward = type(head.head).forward
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("head blew up")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(head.head), "forward", failing)
+    prompt = prompts(2, seed=5)[1]
+    result = engine.generate(prompt, "feature:3", max_new_tokens=30)
+    assert result.fell_back and "head blew up" in result.fallback_error
+    assert result.tokens == hf_greedy(target, prompt, 30)
+    assert result.metrics.drafted > 0
+
+
+def test_a_head_for_another_target_is_refused_by_name(target, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target").save_pretrained(tmp_path / "target")
+    engine = SpeculativeEngine(tmp_path / "target")
+    assert engine.target_hash is not None
+    with pytest.raises(IncompatibleDrafterError, match=r"'other'.*trained for the target with weights test"):
+        engine.add_drafter("other", feature_head(target))  # its hash is "test"
+    with pytest.raises(IncompatibleDrafterError, match=r"'wide'.*hidden size 128, the target's is 64"):
+        engine.add_drafter("wide", feature_head(tiny_llama(0, layers=1, hidden=128)))
+    with pytest.raises(IncompatibleDrafterError, match=r"vocabulary size 96, the target's is 64"):
+        engine.add_drafter("big", feature_head(tiny_llama(0, layers=1, vocab=96)))
+    assert not engine.drafters
+
+
+def test_a_saved_head_loads_by_folder_and_drafts_the_same(target, tmp_path):
+    head = feature_head(target)
+    head.head.save(tmp_path / "head")
+    engine = SpeculativeEngine(target, {"saved": tmp_path / "head", "live": head})
+    assert isinstance(engine.drafters["saved"], FeatureDrafter)
+    for prompt in prompts(3, seed=4):
+        saved, live = (engine.generate(prompt, f"{name}:4", 20).metrics for name in ("saved", "live"))
+        assert saved.accepted_per_position == live.accepted_per_position
+    torch.testing.assert_close(engine.drafters["saved"].head.fuse.weight, head.head.fuse.weight)
