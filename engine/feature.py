@@ -67,8 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x.float() * scale).to(x.dtype) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 @dataclass
@@ -107,6 +106,15 @@ class FeatureHead(nn.Module):
         self.feature_norm = RMSNorm(width, config.rms_eps)  # features are the target's post-norm states
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim]
+
+    def rotary(self, length: int) -> None:
+        """Work out the rotary angles of positions 0..length-1 once (a drafter's, at attach),
+        rather than in every step."""
+        angles = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq.float()[None]
+        angles = torch.cat([angles, angles], -1)
+        dtype = self.fuse.weight.dtype
+        self._rotary = angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: HeadCache | None = None) -> torch.Tensor:
@@ -123,8 +131,12 @@ class FeatureHead(nn.Module):
         batch, length, _ = x.shape
         heads, head_dim = self.config.heads, self.config.head_dim
         q, k, v = self.qkv(x).view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-        angles = positions[:, None].float() * self.inv_freq[None]
-        cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
+        if self._rotary is not None:
+            cos, sin = self._rotary[0][positions], self._rotary[1][positions]
+        else:  # training: positions 0..T-1 of fresh windows
+            angles = positions[:, None].float() * self.inv_freq[None].float()
+            angles = torch.cat([angles, angles], -1)
+            cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -226,6 +238,7 @@ class FeatureDrafter:
         self.head.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.max_length = getattr(target_config, "max_position_embeddings", None)
+        self.head.rotary((self.max_length or 32768) + 16 + 1)  # a round's drafts reach past the last position
         self._fixed, self._loop, self.compile_s = None, None, {}
         if compiled:
             length = min(compiled_cache_len or COMPILED_CACHE_LEN, self.max_length or COMPILED_CACHE_LEN)
