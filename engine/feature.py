@@ -106,7 +106,7 @@ class FeatureHead(nn.Module):
         self.feature_norm = RMSNorm(width, config.rms_eps)  # features are the target's post-norm states
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, head_dim]
+        self._rotary: torch.Tensor | None = None  # [positions, 2, head_dim]: cos and sin
 
     def rotary(self, length: int) -> None:
         """Work out the rotary angles of positions 0..length-1 once (a drafter's, at attach),
@@ -114,7 +114,7 @@ class FeatureHead(nn.Module):
         angles = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq.float()[None]
         angles = torch.cat([angles, angles], -1)
         dtype = self.fuse.weight.dtype
-        self._rotary = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._rotary = torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 cache: HeadCache | None = None) -> torch.Tensor:
@@ -130,14 +130,16 @@ class FeatureHead(nn.Module):
     def _attend(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
         batch, length, _ = x.shape
         heads, head_dim = self.config.heads, self.config.head_dim
-        q, k, v = self.qkv(x).view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
         if self._rotary is not None:
-            cos, sin = self._rotary[0][positions], self._rotary[1][positions]
+            rotary = self._rotary[positions]
+            cos, sin = rotary[:, 0], rotary[:, 1]
         else:  # training: positions 0..T-1 of fresh windows
             angles = positions[:, None].float() * self.inv_freq[None].float()
             angles = torch.cat([angles, angles], -1)
             cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        qk = qkv[:2] * cos + rotate_half(qkv[:2]) * sin  # queries and keys rotated together: half the ops
+        q, k, v = qk[0], qk[1], qkv[2]
         if cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif cache.start_at is not None:
@@ -147,7 +149,8 @@ class FeatureHead(nn.Module):
             mask = (held[None] <= positions[:, None]) & (held[None] >= cache.start_at)
             attended = F.scaled_dot_product_attention(q, cache.keys, cache.values, attn_mask=mask[None, None])
         else:
-            first, end = int(positions[0]), int(positions[-1]) + 1
+            first = int(positions[0])
+            end = first + length
             cache.keys[:, :, first:end] = k
             cache.values[:, :, first:end] = v
             keys, values = cache.keys[:, :, cache.start:end], cache.values[:, :, cache.start:end]
