@@ -189,12 +189,12 @@ class FeatureDrafter:
     """Drafts with a `FeatureHead` from the features the engine hands over (see the module docstring).
 
     The engine attaches it to its target when it is added (`attach`), which refuses a head
-    trained for another target. On a compiled engine a greedy round's K draft steps run as one
-    compiled graph (`_greedy_drafts`, one per K): a head step is a few dozen small ops, and
-    K calls through Python cost more than their arithmetic. The graph works on a fixed cache
-    kept across requests (`compiled_cache_len` positions, as the target's); a longer request,
-    and a sampled or penalised one (whose draws and logit edits happen on the host), drafts
-    step by step."""
+    trained for another target. On a compiled engine a greedy round runs as one compiled graph
+    (`_greedy_drafts`, one per K): the round's new pairs and its K draft steps. A head step is
+    a few dozen small ops, and K + 1 calls through Python cost more than their arithmetic. The
+    graph works on a fixed cache kept across requests (`compiled_cache_len` positions, as the
+    target's); a longer request, and a sampled or penalised one (whose draws and logit edits
+    happen on the host), drafts step by step."""
 
     capabilities = Capabilities(features=True)
     model_drafter = None
@@ -205,7 +205,7 @@ class FeatureDrafter:
         self.head = head
         self.vocab_size = head.config.vocab_size
         self.max_length: int | None = None
-        self.compile_s: dict[str, float] = {}  # "loop of K" -> seconds its graph's first call took
+        self.compile_s: dict[str, float] = {}  # "round of K" -> seconds its graph's first call took
         self._embed: nn.Module | None = None
         self._lm_head: nn.Module | None = None
         self._fixed: HeadCache | None = None  # a compiled drafter's, with `_fixed_features`
@@ -284,13 +284,14 @@ class FeatureDrafter:
         last = len(tokens) - 1  # pairs t < last are known: f_t and x_{t+1} are both committed
         if self._have < last:
             raise RuntimeError(f"features end at position {self._have}, drafting needs them up to {last}")
-        positions = torch.arange(self._fed, last, device=self._features.device)
-        new_tokens = torch.tensor(tokens[self._fed + 1:last + 1], device=positions.device)
-        feature = self.head(self._embed(new_tokens)[None], self._features[self._fed:last][None], positions,
-                            self._cache)[0, -1]
-        self._fed = last
-        if self._cache is self._fixed and params.greedy and not params.adjusts_logits:
-            return self._compiled_drafts(feature, last, k).tolist(), None
+        window = last - (k + 1)  # a compiled round feeds the last k + 1 pairs, the new ones among them
+        if self._cache is self._fixed and params.greedy and not params.adjusts_logits and window >= self._cache.start:
+            if self._fed < window:  # more new pairs than that (after the prompt): the rest first
+                self._feed(tokens, window)
+            self._fed = last
+            return self._compiled_round(tokens, last, k).tolist(), None
+        feature = self._feed(tokens, last)
+        device = feature.device
         draft: list[int] = []
         dists = []
         for step in range(k):
@@ -305,44 +306,60 @@ class FeatureDrafter:
                 dists.append(q)
             draft.append(token)
             if step + 1 < k:
-                position = torch.tensor([last + step], device=positions.device)
-                embed = self._embed(torch.tensor([[token]], device=positions.device))
+                position = torch.tensor([last + step], device=device)
+                embed = self._embed(torch.tensor([[token]], device=device))
                 feature = self.head(embed, feature[None, None], position, self._cache)[0, -1]
         return draft, (torch.stack(dists) if dists else None)
 
-    def _compiled_drafts(self, feature: torch.Tensor, last: int, k: int) -> torch.Tensor:
-        position = torch.tensor([last], device=feature.device)
-        name = f"loop of {k}"
+    def _feed(self, tokens: list[int], end: int) -> torch.Tensor:
+        """Feed the real pairs from `_fed` to `end` (exclusive); the feature predicted at the last [H]."""
+        positions = torch.arange(self._fed, end, device=self._features.device)
+        new_tokens = torch.tensor(tokens[self._fed + 1:end + 1], device=positions.device)
+        feature = self.head(self._embed(new_tokens)[None], self._features[self._fed:end][None], positions,
+                            self._cache)[0, -1]
+        self._fed = end
+        return feature
+
+    def _compiled_round(self, tokens: list[int], last: int, k: int) -> torch.Tensor:
+        device = self._features.device
+        positions = torch.arange(last - k - 1, last, device=device)
+        fed = torch.tensor(tokens[last - k:last + 1], device=device)
+        name = f"round of {k}"
         if name in self.compile_s:
-            return self._loop(feature, position, k)
+            return self._loop(fed, positions, k)
         began = time.perf_counter()
-        with torch._inductor.config.patch(CPU_ONE_TOKEN) if feature.device.type == "cpu" else contextlib.nullcontext():
-            drafts = self._loop(feature, position, k)
+        with torch._inductor.config.patch(CPU_ONE_TOKEN) if device.type == "cpu" else contextlib.nullcontext():
+            drafts = self._loop(fed, positions, k)
         self.compile_s[name] = time.perf_counter() - began
         return drafts
 
-    def _greedy_drafts(self, feature: torch.Tensor, position: torch.Tensor, k: int) -> torch.Tensor:
-        """K greedy drafts [K] from the first predicted feature [H]; draft j's step writes the
-        head's cache at `position` + j."""
+    def _greedy_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+        """A greedy round as one graph: the pairs at `positions` [k + 1] (the features held there
+        and `tokens` [k + 1], the token after each), again where already fed (the same keys and
+        values, rewritten), then K drafts [K], draft j's step at the position after the last + j."""
+        features = self._fixed_features.index_select(0, positions)
+        feature = self.head(self._embed(tokens)[None], features[None], positions, self._cache)[0, -1]
         drafts = []
         for step in range(k):
             token = self._lm_head(feature).argmax(-1)
             drafts.append(token)
             if step + 1 < k:
-                feature = self.head(self._embed(token.view(1, 1)), feature.view(1, 1, -1), position + step,
+                position = positions[-1:] + 1 + step
+                feature = self.head(self._embed(token.view(1, 1)), feature.view(1, 1, -1), position,
                                     self._cache)[0, -1]
         return torch.stack(drafts)
 
     def warm_up(self, ks: list[int]) -> None:
-        """Compile the draft loop of every K in `ks` before serving (a compiled drafter's)."""
+        """Compile the round of every K in `ks` before serving (a compiled drafter's)."""
         if self._fixed is None:
             return
-        prompt = torch.zeros(4, dtype=torch.long, device=self._fixed.keys.device)
-        self.begin(prompt, prompt.numel() + 1)
-        self.take_features(0, self._fixed_features.new_zeros(4, self.head.config.hidden))
-        with torch.inference_mode():
+        with torch.inference_mode():  # as requests run: a graph compiled outside would not serve them
+            top = max(ks)
+            prompt = torch.zeros(top + 2, dtype=torch.long, device=self._fixed.keys.device)
+            self.begin(prompt, prompt.numel() + 1)
+            self.take_features(0, self._fixed_features.new_zeros(top + 2, self.head.config.hidden))
             for k in sorted(set(ks)):
-                self._compiled_drafts(self._fixed_features[0], 4, k)
+                self._compiled_round(prompt.tolist(), top + 1, k)
 
     def rollback(self, valid_length: int) -> None:
         # Real pairs were fed only below the last committed token: they all stay. What the draft
