@@ -4,6 +4,7 @@ from engine.arms import MAX_K, MIN_K, OFF, Arm
 from engine.drafters import Capabilities, Drafter, HybridDrafter, ModelDrafter, NGramDrafter
 from engine.engine import BatchSession, SpeculativeEngine
 from engine.errors import EngineError, IncompatibleDrafterError, InvalidRequestError
+from engine.feature import FeatureDrafter, FeatureHead
 from engine.results import BatchRequest, BatchResult, GenerationMetrics, GenerationResult
 from engine.sampling import SamplingParams
 from engine.schedule import ConstantK, HeuristicK, KSchedule
@@ -11,7 +12,7 @@ from engine.streaming import Streamer
 
 __all__ = [
     "Arm", "OFF", "BatchRequest", "BatchResult", "BatchSession", "MIN_K", "MAX_K", "Capabilities", "Drafter",
-    "HybridDrafter", "ModelDrafter", "NGramDrafter",
+    "HybridDrafter", "ModelDrafter", "NGramDrafter", "FeatureDrafter", "FeatureHead",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",
     "HeuristicK", "KSchedule", "Streamer",

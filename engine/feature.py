@@ -110,10 +110,13 @@ class FeatureHead(nn.Module):
 
     def rotary(self, length: int) -> None:
         """Work out the rotary angles of positions 0..length-1 once (a drafter's, at attach),
-        rather than in every step."""
+        rather than in every step. Kept if it holds that many already: compiled graphs read it."""
+        dtype = self.fuse.weight.dtype
+        if self._rotary is not None and self._rotary.shape[0] >= length and self._rotary.dtype == dtype \
+                and self._rotary.device == self.inv_freq.device:
+            return
         angles = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq.float()[None]
         angles = torch.cat([angles, angles], -1)
-        dtype = self.fuse.weight.dtype
         self._rotary = torch.stack([angles.cos(), angles.sin()], dim=1).to(dtype)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -201,8 +204,9 @@ class FeatureDrafter:
     lookup = None
     tokenizer = None
 
-    def __init__(self, head: FeatureHead) -> None:
+    def __init__(self, head: FeatureHead, one_graph: bool = True) -> None:
         self.head = head
+        self.one_graph = one_graph  # False: draft step by step on a compiled engine too (to measure what it saves)
         self.vocab_size = head.config.vocab_size
         self.max_length: int | None = None
         self.compile_s: dict[str, float] = {}  # "round of K" -> seconds its graph's first call took
@@ -236,8 +240,11 @@ class FeatureDrafter:
                             f" {target_hash}")
         if problems:
             raise IncompatibleDrafterError(f"feature head {name!r} does not fit this target: {'; '.join(problems)}")
-        if self._embed is target.get_input_embeddings() and (self._fixed is not None) == compiled:
-            return  # attached already (a hybrid drafting with the same head, say)
+        if self._embed is not None:
+            if self._embed is target.get_input_embeddings() and (self._fixed is not None) == compiled:
+                return  # attached already (a hybrid drafting with the same head, say)
+            raise IncompatibleDrafterError(f"feature drafter {name!r} drafts for another engine already: give each"
+                                           " engine its own FeatureDrafter(head)")
         self.head.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.max_length = getattr(target_config, "max_position_embeddings", None)
@@ -285,7 +292,8 @@ class FeatureDrafter:
         if self._have < last:
             raise RuntimeError(f"features end at position {self._have}, drafting needs them up to {last}")
         window = last - (k + 1)  # a compiled round feeds the last k + 1 pairs, the new ones among them
-        if self._cache is self._fixed and params.greedy and not params.adjusts_logits and window >= self._cache.start:
+        if self._cache is self._fixed and self.one_graph and params.greedy and not params.adjusts_logits \
+                and window >= self._cache.start:
             if self._fed < window:  # more new pairs than that (after the prompt): the rest first
                 self._feed(tokens, window)
             self._fed = last

@@ -6,6 +6,7 @@ from conftest import feature_head
 from test_engine import hf_greedy, prompts
 
 from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.feature import FeatureDrafter
 
 ARMS = ["off", "small:3", "ngram:3", "hybrid:3", "feature:3"]
 
@@ -17,7 +18,7 @@ def head(target):
 
 def eager_drafters(draft_model, head) -> dict:
     return {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "hybrid": HybridDrafter(draft_model),
-            "feature": head}
+            "feature": FeatureDrafter(head.head)}  # the same head, drafting for this engine
 
 
 @pytest.fixture(scope="module")

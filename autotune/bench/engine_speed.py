@@ -13,14 +13,16 @@ from transformers import NoRepeatNGramLogitsProcessor
 
 from autotune.bench.common import compile_total, device_name, hf_generate, rotate
 from engine import OFF, Arm, HybridDrafter, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.feature import FeatureDrafter
 
 
 def eager_twin(engine: SpeculativeEngine) -> SpeculativeEngine:
     """The same models on the default eager path, to measure a compiled engine against."""
     def twin(d):  # a drafter of its own: add_drafter gives a model drafter the twin's runner
         if isinstance(d, HybridDrafter):
-            inner = d.inner if d.model_drafter is None else d.model_drafter.model  # a feature head keeps no cache
-            return HybridDrafter(inner, d.lookup.max_ngram, d.lookup.min_ngram)
+            return HybridDrafter(twin(d.inner), d.lookup.max_ngram, d.lookup.min_ngram)
+        if isinstance(d, FeatureDrafter):
+            return FeatureDrafter(d.head)
         return d.model if isinstance(d, ModelDrafter) else d
 
     drafters = {n: twin(d) for n, d in engine.drafters.items()}
@@ -35,7 +37,9 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     passed as a caller's `logits_processor` (what a processor costs).
 
     A compiled engine is also measured against its eager twin (same models), side by side, and
-    its one-time compile cost is reported; compiling happens before any timing.
+    its one-time compile cost is reported; compiling happens before any timing. A feature
+    drafter on a compiled engine also drafts step by step (`FeatureDrafter.one_graph` off), to
+    show what a round as one graph saves of its draft time.
     """
     engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
     processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram)] if no_repeat_ngram else []
@@ -47,15 +51,21 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     identical = True
     spec_metrics = []
     off_metrics = []
+    draft_time, draft_rounds = defaultdict(float), defaultdict(int)  # per engine: a speculative arm's drafting
     # transformers has assisted generation and prompt lookup, no feature drafting
     assisted = isinstance(engine.drafters.get(arm.drafter), (ModelDrafter, NGramDrafter))
     methods = ["hf_generate", "engine_off", *(["hf_assisted"] if assisted else []), "engine_spec"]
     engines = {"engine": engine}
     compile_report = None
+    drafter = engine.drafters.get(arm.drafter)
+    one_graph = getattr(getattr(drafter, "inner", drafter), "one_graph", None) is not None
     if engine.cache_kind == "compiled":
         compile_report = engine.warm_up([OFF, arm])
         engines["eager"] = eager_twin(engine)
         methods += ["eager_off", "eager_spec"]
+        if one_graph:
+            engines["steps"] = engine
+            methods.append("steps_spec")
     warm = encoded[0]  # first calls allocate and pick kernels: keep them out of the timings
     hf_generate(engine, warm, 8, None, **options)
     if assisted:
@@ -71,7 +81,14 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
                                            **options)
             else:
                 which, what = method.split("_")
+                if which == "steps":
+                    getattr(drafter, "inner", drafter).one_graph = False
                 result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens, sampling)
+                if which == "steps":
+                    getattr(drafter, "inner", drafter).one_graph = True
+                if what == "spec":
+                    draft_time[which] += result.metrics.draft_s
+                    draft_rounds[which] += result.metrics.draft_rounds
                 out, seconds = result.tokens, result.metrics.total_s
                 if which == "engine":
                     (off_metrics if what == "off" else spec_metrics).append(result.metrics)
@@ -104,6 +121,7 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
         "cost_ratio": round(c, 4),
         "bound_ratio": round(speedup / expected, 3) if expected > 0 else None,
         "identical_outputs": identical,
+        "draft_ms_per_round": {which: round(draft_time[which] / n * 1000, 3) for which, n in draft_rounds.items() if n},
     }
     if compile_report is not None:
         result["ratio_off_vs_eager_off"] = round(tps["engine_off"] / tps["eager_off"], 3)
