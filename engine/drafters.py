@@ -84,6 +84,7 @@ class ModelDrafter:
         self.model = model
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model)  # the engine replaces it to match its own cache kind
+        self.one_graph = True  # False: draft step by step on a compiled engine too (to measure what it saves)
         self._seen = 0  # positions held in the cache
 
     @property
@@ -111,6 +112,10 @@ class ModelDrafter:
                 self._seen += 2
                 pending = pending[2:]
         step = torch.tensor([pending], device=device)
+        if self.runner.kind == "compiled" and self.one_graph and params.greedy and not params.adjusts_logits:
+            draft = self.runner.greedy_drafts(step, self._seen, k).tolist()  # one graph for the round
+            self._seen += step.shape[1] + k - 1
+            return draft, None
         draft: list[int] = []
         dists = []
         for _ in range(k):

@@ -217,8 +217,9 @@ class SpeculativeEngine:
     def warm_up(self, arms: list[Arm | str]) -> dict[str, dict[str, float]]:
         """Compile, before serving, every graph `arms` can use, so no request pays for compiling.
 
-        A round of K verifies up to K+1 tokens (fewer near max_new_tokens), and a model drafter
-        feeds 1 or 2 tokens per step. On CUDA it also runs the sampling ops once: their kernels
+        A round of K verifies up to K+1 tokens (fewer near max_new_tokens); a model drafter feeds
+        1 or 2 tokens per step, and drafts a greedy round of up to K as one graph, as a feature
+        head does. On CUDA it also runs the sampling ops once: their kernels
         load lazily, and the first sampled request paid ~0.3 s for it on an H100 (OFF at 288
         tokens/s against ~750 after). Returns the compile report; eager engines have none.
         """
@@ -241,10 +242,12 @@ class SpeculativeEngine:
                 if capabilities(self.drafters.get(name)).features:  # its draft loops, one graph per K
                     self.drafters[name].warm_up(list(range(1, top + 1)))  # K shrinks near a request's end
                 drafter = model_drafter_of(self.drafters.get(name))
-                if drafter is not None:
-                    drafter.runner.begin(prompt, prompt.numel() + 2)
+                if drafter is not None:  # steps of 1 and 2 tokens, and greedy rounds starting with either
+                    drafter.runner.begin(prompt, prompt.numel() + 2 + top)
                     for length in (1, 2):
                         drafter.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=1)
+                        for k in range(1, top + 1):
+                            drafter.runner.greedy_drafts(prompt[:1].repeat(1, length), prompt.numel(), k)
         return self.compile_report()
 
     def compile_report(self) -> dict[str, dict[str, float]]:

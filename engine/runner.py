@@ -150,7 +150,7 @@ class ModelRunner:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             if model.device.type == "cuda":  # CUDA graphs
                 self._one_token = self._many_tokens = contextlib.nullcontext()
-                self._compiled = torch.compile(self._own_step(), mode="reduce-overhead", fullgraph=True, dynamic=False)
+                compiling = {"mode": "reduce-overhead"}
             else:
                 if model.config._attn_implementation == "sdpa":
                     model.set_attn_implementation(STEP_ATTENTION)
@@ -159,8 +159,12 @@ class ModelRunner:
                 # first call of each step length.
                 self._one_token = torch._inductor.config.patch(CPU_ONE_TOKEN)
                 self._many_tokens = torch._inductor.config.patch(CPU_MANY_TOKENS)
-                options = {"guard_filter_fn": keep_parameter_identity_guards}
-                self._compiled = torch.compile(self._own_step(), options=options, fullgraph=True, dynamic=False)
+                compiling = {"options": {"guard_filter_fn": keep_parameter_identity_guards}}
+            self._compiled = torch.compile(self._own(ModelRunner._eager_step), fullgraph=True, dynamic=False,
+                                           **compiling)
+            # A drafter's greedy round, one graph per (tokens fed first, K): see `greedy_drafts`.
+            self._drafts = torch.compile(self._own(ModelRunner._greedy_drafts), fullgraph=True, dynamic=False,
+                                         **compiling)
 
     def begin(self, prompt: torch.Tensor, max_length: int, logits_to_keep: int = 1) -> torch.Tensor:
         """Prefill `prompt` (eager) into a fresh cache that will hold at most `max_length` positions."""
@@ -281,12 +285,41 @@ class ModelRunner:
         self.hidden = hidden
         return logits
 
-    def _own_step(self):
-        """`_eager_step` with a code object of its own: dynamo keeps its graphs per code object and
-        tests a call against each graph's guards in turn, so with one shared code object a drafter's
-        step would first be tested against every target graph (+57 us on a 250 us drafter step)."""
-        code = ModelRunner._eager_step.__code__.replace()  # an equal but distinct code object
-        return types.MethodType(types.FunctionType(code, ModelRunner._eager_step.__globals__), self)
+    def greedy_drafts(self, tokens: torch.Tensor, start: int, k: int) -> torch.Tensor:
+        """A drafter's greedy round: feed `tokens` [1, T] at positions start.., then K greedy
+        drafts [K], each fed in turn but the last, as K calls of `step` would. On a compiled
+        runner the round is one graph per (T, K): a drafter step is too small for K calls
+        through dynamo to cost less than their arithmetic (a round's host overhead)."""
+        if self._eager_request:
+            return self._greedy_drafts(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device), k)
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        shape = f"{tokens.shape[1]}->{k} drafts"
+        if shape in self.compile_s:
+            drafts = self._drafts(tokens, positions, k)
+        else:
+            began = time.perf_counter()
+            with self._one_token:
+                drafts = self._drafts(tokens, positions, k)
+            self.compile_s[shape] = time.perf_counter() - began
+        return drafts.clone() if tokens.device.type == "cuda" else drafts
+
+    def _greedy_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+        logits, _ = self._eager_step(tokens, positions, 1)
+        drafts = []
+        for step in range(k):
+            token = logits[-1].argmax(-1)
+            drafts.append(token)
+            if step + 1 < k:
+                logits, _ = self._eager_step(token.view(1, 1), positions[-1:] + 1 + step, 1)
+        return torch.stack(drafts)
+
+    def _own(self, function):
+        """This runner's `function` (`_eager_step`, `_greedy_drafts`) with a code object of its own:
+        dynamo keeps its graphs per code object and tests a call against each graph's guards in
+        turn, so with one shared code object a drafter's step would first be tested against every
+        target graph (+57 us on a 250 us drafter step)."""
+        code = function.__code__.replace()  # an equal but distinct code object
+        return types.MethodType(types.FunctionType(code, function.__globals__), self)
 
     def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor,
                     keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -126,7 +126,7 @@ def test_demo_runs_end_to_end_on_the_committed_family(tmp_path, capsys):
     assert "arm_now" in out and url in out
     with Store(url) as store:
         assert store.count() == 8
-        assert {m["name"] for m in store.models()} == {"target", "small", "medium", "distilled"}
+        assert {m["name"] for m in store.models()} == {"target", "small", "medium", "distilled", "feature"}
         assert all(o["engine_identity"].startswith("target@") for o in store.observations())
 
 

@@ -38,8 +38,8 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
 
     A compiled engine is also measured against its eager twin (same models), side by side, and
     its one-time compile cost is reported; compiling happens before any timing. A feature
-    drafter on a compiled engine also drafts step by step (`FeatureDrafter.one_graph` off), to
-    show what a round as one graph saves of its draft time.
+    drafter or a model drafter on a compiled engine also drafts step by step (its `one_graph`
+    off), to show what a round as one graph saves of its draft time.
     """
     engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
     processors = [NoRepeatNGramLogitsProcessor(no_repeat_ngram)] if no_repeat_ngram else []
