@@ -419,12 +419,22 @@ def _bench_replay(args, engine, bench) -> dict:
     return bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
 
 
-def _bench_arms(args, engine, bench) -> dict:
-    from engine import OFF, Arm
+def _named_arms(text: str, ks: tuple[int, ...]) -> list:
+    """Arms as `--arms` names them: `off`, `DRAFTER:K`, or `DRAFTER:*` for every K in `ks`."""
+    from engine import Arm
 
-    arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else \
-        _every_arm(engine, (2, 4) if args.quick else bench.BENCH_KS)
-    arms = [OFF] + [a for a in arms if a != OFF]  # every speedup is over OFF, measured beside it
+    arms = []
+    for name in text.split(","):
+        arms += [Arm(name[:-2], k) for k in ks] if name.endswith(":*") else [Arm.parse(name)]
+    return arms
+
+
+def _bench_arms(args, engine, bench) -> dict:
+    from engine import OFF
+
+    ks = (2, 4) if args.quick else bench.BENCH_KS
+    named = _named_arms(args.arms, ks) if args.arms else _every_arm(engine, ks)
+    arms = [OFF] + [a for a in named if a != OFF]  # every speedup is over OFF, measured beside it
     for arm in arms:
         engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
     return bench.bench_arms(engine, _classes(args), arms, 2 if args.quick else args.prompts,
@@ -670,7 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-repeat-ngram", type=at_least(0), default=0, metavar="N",
                    help="bench engine: no method repeats an N-gram (the engine through a caller's logits processor)")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4); bench"
-                                       " arms: the arms to measure (default: OFF and every drafter at every K)")
+                                  " arms: the arms to measure, DRAFTER:* for every K (default: every drafter, every K)")
     p.add_argument("--prompts", type=at_least(1), default=6, help="prompts (per class)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
