@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from engine.arms import MAX_K
 from engine.drafters import Capabilities
 from engine.errors import IncompatibleDrafterError
 from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, keep_parameter_identity_guards
@@ -248,8 +249,7 @@ class FeatureDrafter:
         self.head.to(device=target.device, dtype=target.dtype)
         self._embed, self._lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.max_length = getattr(target_config, "max_position_embeddings", None)
-        self.head.rotary((self.max_length or 32768) + 16 + 1)  # a round's drafts reach past the last position
-        self._fixed, self._loop, self.compile_s = None, None, {}
+        self.head.rotary((self.max_length or 32768) + MAX_K + 1)  # a round's drafts reach past the last position
         if compiled:
             length = min(compiled_cache_len or COMPILED_CACHE_LEN, self.max_length or COMPILED_CACHE_LEN)
             self._fixed, self._fixed_features = self._buffers(length)
