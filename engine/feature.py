@@ -197,8 +197,8 @@ class FeatureDrafter:
     (`_greedy_drafts`, one per K): the round's new pairs and its K draft steps. A head step is
     a few dozen small ops, and K + 1 calls through Python cost more than their arithmetic. The
     graph works on a fixed cache kept across requests (`compiled_cache_len` positions, as the
-    target's). A sampled or penalised round (whose draws and logit edits happen on the host)
-    runs its draft steps one compiled graph each; a longer request drafts eagerly."""
+    target's); a longer request, and a sampled or penalised one (whose draws and logit edits
+    happen on the host), drafts step by step."""
 
     capabilities = Capabilities(features=True)
     model_drafter = None
@@ -216,7 +216,6 @@ class FeatureDrafter:
         self._fixed: HeadCache | None = None  # a compiled drafter's, with `_fixed_features`
         self._fixed_features: torch.Tensor | None = None
         self._loop = None  # `_greedy_drafts`, compiled
-        self._step = None  # `_head_step`, compiled: a sampled round's draft steps
         self._cache: HeadCache | None = None
         self._features: torch.Tensor | None = None  # [length, H]: the target's, by position
         self._have = 0  # positions with real features (from `_cache.start` on)
@@ -258,8 +257,6 @@ class FeatureDrafter:
             options = {"guard_filter_fn": keep_parameter_identity_guards} if target.device.type == "cpu" else {}
             mode = "reduce-overhead" if target.device.type == "cuda" else None
             self._loop = torch.compile(self._greedy_drafts, fullgraph=True, dynamic=False, mode=mode,
-                                       options=options or None)
-            self._step = torch.compile(self._head_step, fullgraph=True, dynamic=False, mode=mode,
                                        options=options or None)
 
     def _buffers(self, length: int) -> tuple[HeadCache, torch.Tensor]:
@@ -318,23 +315,9 @@ class FeatureDrafter:
             draft.append(token)
             if step + 1 < k:
                 position = torch.tensor([last + step], device=device)
-                token = torch.tensor([[token]], device=device)
-                feature = self._compiled_step(token, feature, position) if self._cache is self._fixed \
-                    else self._head_step(token, feature, position)
+                embed = self._embed(torch.tensor([[token]], device=device))
+                feature = self.head(embed, feature[None, None], position, self._cache)[0, -1]
         return draft, (torch.stack(dists) if dists else None)
-
-    def _head_step(self, token: torch.Tensor, feature: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """One draft step: (feature [H], token [1, 1]) at `position` [1] -> the next feature [H]."""
-        return self.head(self._embed(token), feature.view(1, 1, -1), position, self._cache)[0, -1]
-
-    def _compiled_step(self, token: torch.Tensor, feature: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        if "step" in self.compile_s:
-            return self._step(token, feature, position)
-        began = time.perf_counter()
-        with torch._inductor.config.patch(CPU_ONE_TOKEN) if token.device.type == "cpu" else contextlib.nullcontext():
-            feature = self._step(token, feature, position)
-        self.compile_s["step"] = time.perf_counter() - began
-        return feature
 
     def _feed(self, tokens: list[int], end: int) -> torch.Tensor:
         """Feed the real pairs from `_fed` to `end` (exclusive); the feature predicted at the last [H]."""
@@ -375,8 +358,7 @@ class FeatureDrafter:
         return torch.stack(drafts)
 
     def warm_up(self, ks: list[int]) -> None:
-        """Compile the round of every K in `ks`, and the step of sampled rounds, before serving (a
-        compiled drafter's)."""
+        """Compile the round of every K in `ks` before serving (a compiled drafter's)."""
         if self._fixed is None:
             return
         with torch.inference_mode():  # as requests run: a graph compiled outside would not serve them
@@ -386,8 +368,6 @@ class FeatureDrafter:
             self.take_features(0, self._fixed_features.new_zeros(top + 2, self.head.config.hidden))
             for k in sorted(set(ks)):
                 self._compiled_round(prompt.tolist(), top + 1, k)
-            feature = self._fixed_features[0].clone()
-            self._compiled_step(prompt[None, :1], feature, prompt[:1] + top + 1)  # a sampled round's steps
 
     def rollback(self, valid_length: int) -> None:
         # Real pairs were fed only below the last committed token: they all stay. What the draft
