@@ -75,9 +75,10 @@ class RMSNorm(nn.Module):
 class HeadCache:
     """Keys and values [1, heads, length, head_dim] by position; `start`: the first position held.
 
-    A fixed cache (a compiled drafter's, kept across requests) is written in place at tensor
-    positions and attended whole under a mask, so its graphs never depend on where a request is;
-    `start_at` holds `start` as a tensor for them."""
+    Inside a compiled graph (a compiled drafter's, on a cache kept across requests) it is written
+    in place at tensor positions and attended whole under a mask, so the graph never depends on
+    where a request is; `start_at` holds `start` as a tensor for it. Eager calls attend to the
+    positions held only."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -146,7 +147,7 @@ class FeatureHead(nn.Module):
         q, k, v = qk[0], qk[1], qkv[2]
         if cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif cache.start_at is not None:
+        elif torch.compiler.is_compiling():  # a fixed cache in a graph: no shape may depend on the position
             cache.keys.index_copy_(2, positions, k)
             cache.values.index_copy_(2, positions, v)
             held = torch.arange(cache.keys.shape[2], device=x.device)
