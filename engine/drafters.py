@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, adjust_logits, probabilities, sample
+from engine.sampling import SamplingParams, draft_token
 
 
 @dataclass(frozen=True)
@@ -121,15 +121,9 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.runner.step(step, self._seen, keep=1)[-1]
             self._seen += step.shape[1]
-            if params.adjusts_logits:  # drafted as the target will pick, so that its drafts are kept
-                logits = adjust_logits(logits[None], tokens + draft, [], self._output_start, params)[0]
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = probabilities(logits, params)
-                token = sample(q, generator)
-                dists.append(q)
+            token, q = draft_token(logits, tokens + draft, self._output_start, params, generator)
             draft.append(token)
+            dists += [] if q is None else [q]
             step = torch.tensor([[token]], device=device)
         return draft, (torch.stack(dists) if dists else None)
 

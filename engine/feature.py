@@ -38,7 +38,7 @@ from engine.arms import MAX_K
 from engine.drafters import Capabilities
 from engine.errors import IncompatibleDrafterError
 from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, keep_parameter_identity_guards
-from engine.sampling import SamplingParams, adjust_logits, probabilities, sample
+from engine.sampling import SamplingParams, draft_token
 
 HEAD_CONFIG = "head.json"
 HEAD_WEIGHTS = "head.safetensors"
@@ -304,16 +304,9 @@ class FeatureDrafter:
         draft: list[int] = []
         dists = []
         for step in range(k):
-            logits = self._lm_head(feature)
-            if params.adjusts_logits:
-                logits = adjust_logits(logits[None], tokens + draft, [], self._output_start, params)[0]
-            if params.greedy:
-                token = int(logits.argmax())
-            else:
-                q = probabilities(logits, params)
-                token = sample(q, generator)
-                dists.append(q)
+            token, q = draft_token(self._lm_head(feature), tokens + draft, self._output_start, params, generator)
             draft.append(token)
+            dists += [] if q is None else [q]
             if step + 1 < k:
                 position = torch.tensor([last + step], device=device)
                 embed = self._embed(torch.tensor([[token]], device=device))

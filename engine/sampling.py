@@ -353,6 +353,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def draft_token(logits: torch.Tensor, history: list[int], output_start: int, params: SamplingParams,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """A drafter's next token from its logits [V] after `history` (the request's tokens and the
+    round's drafts so far), edited and drawn as the target will pick, so that its drafts are
+    kept; and the distribution it was drawn from [V] (None when greedy: a point mass)."""
+    if params.adjusts_logits:
+        logits = adjust_logits(logits[None], history, [], output_start, params)[0]
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits, params)
+    return sample(q, generator), q
+
+
 def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_probs: torch.Tensor | None,
            params: SamplingParams, stopping, generator: torch.Generator | None
            ) -> tuple[list[int], list[dict[int, float]] | None]:
