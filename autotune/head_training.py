@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from autotune.corpus import stdlib_texts
-from autotune.zoo import FamilySpec, copy_texts, encode_stream, family_dir, lr_at, random_windows
+from autotune.zoo import FamilySpec, copy_texts, encode_stream, family_dir, lr_at, random_windows, sample_from
 from engine.feature import FeatureHead, HeadConfig
 from engine.identity import weights_hash
-from engine.runner import cache_argument
 
 HEAD_NAME = "feature"  # the head's folder in a family, and its drafter's name
 
@@ -46,20 +45,6 @@ class HeadSpec:
     feature_weight: float = 0.2  # smooth-L1 on features, against the cross-entropy
     generated: int = 192  # target-written windows, half sampled, half greedy
     seed: int = 0
-
-
-@torch.no_grad()
-def target_text(target, prompts: torch.Tensor, new_tokens: int, greedy: bool, gen: torch.Generator) -> torch.Tensor:
-    """`prompts` [B, P] continued by the target for `new_tokens` (greedy, or sampled at temperature 1)."""
-    cache = {cache_argument(target): DynamicCache(config=target.config)}
-    seq = prompts
-    logits = target(seq, **cache, use_cache=True).logits[:, -1]
-    for _ in range(new_tokens):
-        nxt = logits.argmax(-1, keepdim=True) if greedy else \
-            torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
-        seq = torch.cat([seq, nxt], dim=1)
-        logits = target(nxt, **cache, use_cache=True).logits[:, -1]
-    return seq
 
 
 @torch.no_grad()
@@ -112,8 +97,8 @@ def train_head(folder: Path | None = None, spec: HeadSpec = HeadSpec(), progress
     prompt_len = 32
     prompts = random_windows(stream, spec.generated, prompt_len, gen)[:, :prompt_len]
     half = spec.generated // 2
-    written = torch.cat([target_text(target, prompts[:half], spec.seq_len - prompt_len, False, gen),
-                         target_text(target, prompts[half:], spec.seq_len - prompt_len, True, gen)])
+    written = torch.cat([sample_from(target, prompts[:half], spec.seq_len - prompt_len, gen),
+                         sample_from(target, prompts[half:], spec.seq_len - prompt_len, gen, greedy=True)])
     generated_s = time.perf_counter() - started
     config = HeadConfig(hidden=target.config.hidden_size, vocab_size=target.config.vocab_size,
                         heads=target.config.num_attention_heads, ffn=spec.ffn, target_hash=weights_hash(target_dir),

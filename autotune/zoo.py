@@ -162,14 +162,17 @@ def held_out_loss(model, windows: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def sample_from(model, prompts: torch.Tensor, new_tokens: int, gen: torch.Generator) -> torch.Tensor:
-    """Text the target generates (temperature 1), for distillation on its own distribution."""
+def sample_from(model, prompts: torch.Tensor, new_tokens: int, gen: torch.Generator,
+                greedy: bool = False) -> torch.Tensor:
+    """Text the target generates after `prompts` [B, P] (temperature 1, or `greedy`), for training
+    drafters on its own distribution."""
     model.eval()
     cache = {cache_argument(model): DynamicCache(config=model.config)}
     seq = prompts
     logits = model(seq, **cache, use_cache=True).logits[:, -1]
     for _ in range(new_tokens):
-        nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
+        nxt = logits.argmax(-1, keepdim=True) if greedy else \
+            torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
         seq = torch.cat([seq, nxt], dim=1)
         logits = model(nxt, **cache, use_cache=True).logits[:, -1]
     return seq

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from torch import nn
 from engine.arms import MAX_K
 from engine.drafters import Capabilities
 from engine.errors import IncompatibleDrafterError
-from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, keep_parameter_identity_guards
+from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, compile_fixed, first_call_timed
 from engine.sampling import SamplingParams, draft_token
 
 HEAD_CONFIG = "head.json"
@@ -255,10 +254,7 @@ class FeatureDrafter:
             length = min(compiled_cache_len or COMPILED_CACHE_LEN, self.max_length or COMPILED_CACHE_LEN)
             self._fixed, self._fixed_features = self._buffers(length)
             self._fixed.start_at = torch.zeros((), dtype=torch.long, device=target.device)
-            options = {"guard_filter_fn": keep_parameter_identity_guards} if target.device.type == "cpu" else {}
-            mode = "reduce-overhead" if target.device.type == "cuda" else None
-            self._loop = torch.compile(self._greedy_drafts, fullgraph=True, dynamic=False, mode=mode,
-                                       options=options or None)
+            self._loop = compile_fixed(self._greedy_drafts, target.device)
 
     def _buffers(self, length: int) -> tuple[HeadCache, torch.Tensor]:
         param = next(self.head.parameters())
@@ -326,14 +322,8 @@ class FeatureDrafter:
         device = self._features.device
         positions = torch.arange(last - k - 1, last, device=device)
         fed = torch.tensor(tokens[last - k:last + 1], device=device)
-        name = f"round of {k}"
-        if name in self.compile_s:
-            return self._loop(fed, positions, k)
-        began = time.perf_counter()
-        with torch._inductor.config.patch(CPU_ONE_TOKEN) if device.type == "cpu" else contextlib.nullcontext():
-            drafts = self._loop(fed, positions, k)
-        self.compile_s[name] = time.perf_counter() - began
-        return drafts
+        settings = torch._inductor.config.patch(CPU_ONE_TOKEN) if device.type == "cpu" else contextlib.nullcontext()
+        return first_call_timed(self.compile_s, f"round of {k}", settings, lambda: self._loop(fed, positions, k))
 
     def _greedy_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
         """A greedy round as one graph: the pairs at `positions` [k + 1] (the features held there

@@ -94,6 +94,27 @@ def keep_parameter_identity_guards(guards: list) -> list[bool]:
     return [g.guard_type == "ID_MATCH" or not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
 
 
+def compile_fixed(function, device: torch.device):
+    """`function` compiled for fixed shapes, one graph per shape: replayed as CUDA graphs on a GPU;
+    on CPU with dynamo's guards cut to parameter identities (see the module docstring)."""
+    if device.type == "cuda":
+        return torch.compile(function, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(function, options={"guard_filter_fn": keep_parameter_identity_guards}, fullgraph=True,
+                         dynamic=False)
+
+
+def first_call_timed(compile_s: dict[str, float], name: str, settings, call):
+    """`call()`; the first time for `name`, under `settings` (inductor's, read as its graph
+    compiles), with its seconds recorded in `compile_s[name]` as that graph's compile cost."""
+    if name in compile_s:
+        return call()
+    began = time.perf_counter()
+    with settings:
+        result = call()
+    compile_s[name] = time.perf_counter() - began
+    return result
+
+
 def use_compile_cache_dir() -> None:
     """Keep inductor's compiled kernels in the user cache between processes, unless set already."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "spec-autotune" / "inductor"
@@ -150,7 +171,6 @@ class ModelRunner:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             if model.device.type == "cuda":  # CUDA graphs
                 self._one_token = self._many_tokens = contextlib.nullcontext()
-                compiling = {"mode": "reduce-overhead"}
             else:
                 if model.config._attn_implementation == "sdpa":
                     model.set_attn_implementation(STEP_ATTENTION)
@@ -159,12 +179,9 @@ class ModelRunner:
                 # first call of each step length.
                 self._one_token = torch._inductor.config.patch(CPU_ONE_TOKEN)
                 self._many_tokens = torch._inductor.config.patch(CPU_MANY_TOKENS)
-                compiling = {"options": {"guard_filter_fn": keep_parameter_identity_guards}}
-            self._compiled = torch.compile(self._own(ModelRunner._eager_step), fullgraph=True, dynamic=False,
-                                           **compiling)
+            self._compiled = compile_fixed(self._own(ModelRunner._eager_step), model.device)
             # A drafter's greedy round, one graph per (tokens fed first, K): see `greedy_drafts`.
-            self._drafts = torch.compile(self._own(ModelRunner._greedy_drafts), fullgraph=True, dynamic=False,
-                                         **compiling)
+            self._drafts = compile_fixed(self._own(ModelRunner._greedy_drafts), model.device)
 
     def begin(self, prompt: torch.Tensor, max_length: int, logits_to_keep: int = 1) -> torch.Tensor:
         """Prefill `prompt` (eager) into a fresh cache that will hold at most `max_length` positions."""
@@ -272,14 +289,10 @@ class ModelRunner:
         if self._eager_request:
             logits, self.hidden = self._eager_step(tokens, positions, keep)
             return logits
-        shape = f"{tokens.shape[1]}->{keep}"  # tokens in -> logits out: one graph each
-        if shape in self.compile_s:
-            logits, hidden = self._compiled(tokens, positions, keep)
-        else:  # the first call of a length compiles its graph, under that length's settings
-            began = time.perf_counter()
-            with self._one_token if tokens.shape[1] == 1 else self._many_tokens:
-                logits, hidden = self._compiled(tokens, positions, keep)
-            self.compile_s[shape] = time.perf_counter() - began
+        # tokens in -> logits out: one graph each, compiled by its first call under that length's settings
+        logits, hidden = first_call_timed(self.compile_s, f"{tokens.shape[1]}->{keep}",
+                                          self._one_token if tokens.shape[1] == 1 else self._many_tokens,
+                                          lambda: self._compiled(tokens, positions, keep))
         if tokens.device.type == "cuda":  # a CUDA graph overwrites its output buffers on the next replay
             logits, hidden = logits.clone(), None if hidden is None else hidden.clone()
         self.hidden = hidden
@@ -290,17 +303,11 @@ class ModelRunner:
         drafts [K], each fed in turn but the last, as K calls of `step` would. On a compiled
         runner the round is one graph per (T, K): a drafter step is too small for K calls
         through dynamo to cost less than their arithmetic (a round's host overhead)."""
-        if self._eager_request:
-            return self._greedy_drafts(tokens, torch.arange(start, start + tokens.shape[1], device=tokens.device), k)
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        shape = f"{tokens.shape[1]}->{k} drafts"
-        if shape in self.compile_s:
-            drafts = self._drafts(tokens, positions, k)
-        else:
-            began = time.perf_counter()
-            with self._one_token:
-                drafts = self._drafts(tokens, positions, k)
-            self.compile_s[shape] = time.perf_counter() - began
+        if self._eager_request:
+            return self._greedy_drafts(tokens, positions, k)
+        drafts = first_call_timed(self.compile_s, f"{tokens.shape[1]}->{k} drafts", self._one_token,
+                                  lambda: self._drafts(tokens, positions, k))
         return drafts.clone() if tokens.device.type == "cuda" else drafts
 
     def _greedy_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ from conftest import feature_head, tiny_llama
 from test_engine import hf_greedy, prompts
 from transformers import AutoTokenizer
 
-from autotune.head_training import head_losses, target_text
-from autotune.zoo import DEFAULT_FAMILY_DIR, load_engine
+from autotune.head_training import head_losses
+from autotune.zoo import DEFAULT_FAMILY_DIR, load_engine, sample_from
 from engine import HybridDrafter, IncompatibleDrafterError, SpeculativeEngine
 from engine.feature import FeatureDrafter
 
@@ -67,7 +67,7 @@ def test_the_committed_head_drafts_what_the_target_decodes():
 def test_training_fits_the_head_to_the_targets_own_text(target):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    text = target_text(target, torch.randint(0, 64, (8, 4), generator=gen), 28, greedy=True, gen=gen)
+    text = sample_from(target, torch.randint(0, 64, (8, 4), generator=gen), 28, gen, greedy=True)
     head = feature_head(target).head.train()
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     _, before = head_losses(head, target, text, 0.2)

@@ -58,7 +58,8 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
     engines = {"engine": engine}
     compile_report = None
     drafter = engine.drafters.get(arm.drafter)
-    one_graph = getattr(getattr(drafter, "inner", drafter), "one_graph", None) is not None
+    drafting = getattr(drafter, "inner", drafter)  # what drafts outside a hybrid's lookup rounds
+    one_graph = hasattr(drafting, "one_graph")
     if engine.cache_kind == "compiled":
         compile_report = engine.warm_up([OFF, arm])
         engines["eager"] = eager_twin(engine)
@@ -82,10 +83,10 @@ def bench_engine(engine: SpeculativeEngine, prompts: list[str], arm: Arm, max_ne
             else:
                 which, what = method.split("_")
                 if which == "steps":
-                    getattr(drafter, "inner", drafter).one_graph = False
+                    drafting.one_graph = False
                 result = engines[which].generate(ids, OFF if what == "off" else arm, max_new_tokens, sampling)
                 if which == "steps":
-                    getattr(drafter, "inner", drafter).one_graph = True
+                    drafting.one_graph = True
                 if what == "spec":
                     draft_time[which] += result.metrics.draft_s
                     draft_rounds[which] += result.metrics.draft_rounds
