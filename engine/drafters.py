@@ -32,6 +32,8 @@ class Capabilities:
     batch: bool = False  # drafts for a batch's rows: its `lookup` row by row, its `model_drafter` in batched steps
     replay: bool = False  # the controller can replay it on a served request's tokens (autotune/counterfactual.py)
     features: bool = False  # drafts from the target's hidden states, handed over by `take_features` (engine/feature.py)
+    # drafts with the target's own layers and cache, handed over by `share` (engine/layer_skip.py)
+    shares_target: bool = False
 
 
 NOTHING_MORE = Capabilities()
@@ -210,7 +212,7 @@ class HybridDrafter:
     def tokenizer(self):
         return getattr(self.inner, "tokenizer", None)
 
-    # A feature drafter's (engine/feature.py), when it is the inner one.
+    # A feature drafter's (engine/feature.py), when it is the inner one; warm_up a layer-skip one's too.
     def attach(self, name: str, target, target_hash: str | None, **options) -> None:
         self.inner.attach(name, target, target_hash, **options)
 
@@ -219,6 +221,10 @@ class HybridDrafter:
 
     def warm_up(self, ks: list[int]) -> None:
         self.inner.warm_up(ks)
+
+    # A layer-skip drafter's (engine/layer_skip.py), when it is the inner one.
+    def share(self, target: ModelRunner) -> None:
+        self.inner.share(target)
 
     @property
     def compile_s(self) -> dict[str, float]:

@@ -188,6 +188,8 @@ class SpeculativeEngine:
                     f"drafter {name!r} ({type(model.model).__name__}) cannot draft: its steps of several tokens"
                     " do not continue its recurrent state, and a drafter catches up and rolls back in such steps"
                 )
+        if capabilities(drafter).shares_target:
+            drafter.share(self.runner)
         if capabilities(drafter).features:
             drafter.attach(name, self.target, self.target_hash, compiled=self.cache_kind == "compiled",
                            compiled_cache_len=self.compiled_cache_len)
@@ -239,7 +241,8 @@ class SpeculativeEngine:
             for length in range(1, top + 2):
                 self.runner.step(prompt[:1].repeat(1, length), prompt.numel(), keep=length)
             for name in {a.drafter for a in arms if not a.is_off}:
-                if capabilities(self.drafters.get(name)).features:  # its draft loops, one graph per K
+                able = capabilities(self.drafters.get(name))
+                if able.features or able.shares_target:  # its draft loops, one graph per K
                     self.drafters[name].warm_up(list(range(1, top + 1)))  # K shrinks near a request's end
                 drafter = model_drafter_of(self.drafters.get(name))
                 if drafter is not None:  # steps of 1 and 2 tokens, and greedy rounds starting with either

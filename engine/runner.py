@@ -320,6 +320,12 @@ class ModelRunner:
                 logits, _ = self._eager_step(token.view(1, 1), positions[-1:] + 1 + step, 1)
         return torch.stack(drafts)
 
+    def use_cache_of(self, other: ModelRunner) -> None:
+        """Step into `other`'s cache, as it stands for `other`'s current request: for a view of
+        `other`'s model with layers skipped (engine/layer_skip.py), which drafts into the target's
+        cache; `other.truncate` then cuts back what it wrote."""
+        self._cache, self._eager_request = other._cache, other._eager_request
+
     def _own(self, function):
         """This runner's `function` (`_eager_step`, `_greedy_drafts`) with a code object of its own:
         dynamo keeps its graphs per code object and tests a call against each graph's guards in

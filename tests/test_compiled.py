@@ -5,10 +5,10 @@ import pytest
 from conftest import feature_head
 from test_engine import hf_greedy, prompts
 
-from engine import HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import HybridDrafter, LayerSkipDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.feature import FeatureDrafter
 
-ARMS = ["off", "small:3", "ngram:3", "hybrid:3", "feature:3"]
+ARMS = ["off", "small:3", "ngram:3", "hybrid:3", "feature:3", "skip:3"]
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,8 @@ def head(target):
 
 def eager_drafters(draft_model, head) -> dict:
     return {"small": draft_model, "ngram": NGramDrafter(max_ngram=3), "hybrid": HybridDrafter(draft_model),
-            "feature": FeatureDrafter(head.head)}  # the same head, drafting for this engine
+            "feature": FeatureDrafter(head.head),  # the same head, drafting for this engine
+            "skip": LayerSkipDrafter({1})}  # the target without its second layer
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def test_warm_up_compiles_every_step_length_and_serving_compiles_nothing_more(co
     assert set(report["small"]) == rounds
     assert set(report["hybrid"]) == rounds  # its model catches up on lookup rounds 2 tokens a step
     assert set(report["feature"]) == {"round of 1", "round of 2", "round of 3"}  # a round's draft steps: one graph
+    assert set(report["skip"]) == {"1->1", "1->1 drafts", "1->2 drafts", "1->3 drafts"}  # into the target's cache
     assert "ngram" not in report  # no model, nothing to compile
     for prompt in prompts(4, seed=2):
         for arm in ARMS:
