@@ -99,6 +99,7 @@ def _serving_engine(args):
 def cmd_serve(args) -> None:
     from autotune.classifier import RequestClassifier
     from autotune.controller import AutotuneController
+    from autotune.tune import add_tuned_skip_sets, seed_from_studies
     from store import Store
 
     if args.backend == "llamacpp":
@@ -107,11 +108,15 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or (Path(args.target).name if args.target else "spec-autotune")
     # --arm: one speculative configuration for every request, as vLLM's --speculative-config (a replica)
     policy = {"policy": "static", "arm": args.arm} if args.arm else {"policy": args.policy}
-    with Store(args.db, label="serve") as store, AutotuneController(
-            engine, store, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
-            classifier=RequestClassifier.from_store(store), **policy) as controller:  # classes of the store's history
-        _serve_forever(args, controller, name, f"batches of up to {args.max_batch},"
-                       f" {args.prefix_cache_tokens} prompt tokens kept a model")
+    with Store(args.db, label="serve") as store:
+        if not args.arm:  # the skip sets `autotune tune --layer-skip` found best per class join the arms
+            add_tuned_skip_sets(engine, store.url)
+        with AutotuneController(engine, store, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
+                                classifier=RequestClassifier.from_store(store),  # classes of the store's history
+                                **policy) as controller:
+            seed_from_studies(controller, store.url)
+            _serve_forever(args, controller, name, f"batches of up to {args.max_batch},"
+                           f" {args.prefix_cache_tokens} prompt tokens kept a model")
 
 
 def _serve_llamacpp(args) -> None:
@@ -185,7 +190,7 @@ def cmd_inspect(args) -> None:
 
 def cmd_tune(args) -> None:
     from autotune.controller import default_arms
-    from autotune.tune import priors_from_study, tune_class
+    from autotune.tune import priors_from_study, tune_class, tune_skip_sets
     from store import Store
 
     engine = _engine(args)
@@ -201,6 +206,14 @@ def cmd_tune(args) -> None:
         result["classes"][name] = {"best_params": best.params, "best_goodput": round(best.value, 2),
                                    "trials": len(study.trials), "priors": priors_from_study(study)}
         print(f"  best {best.params} at {best.value:.1f} tokens/s after {len(study.trials)} trials")
+        if args.layer_skip:
+            print(f"searching {name}'s layers to skip ({args.budget} trials)")
+            study = tune_skip_sets(engine, cls, url, budget=args.budget, minutes=args.minutes,
+                                   prompts_per_trial=args.prompts, sampler=args.sampler, progress=not args.no_progress)
+            priors = priors_from_study(study)
+            result["classes"][name]["layer_skip"] = {"trials": len(study.trials), "priors": priors}
+            best = max(priors, key=lambda a: priors[a][0], default="off")
+            print(f"  best {best} at {priors.get(best, (1.0,))[0]:.2f}x OFF")
     print(f"\nopen the studies with: optuna-dashboard {url}")
     _emit(result, args.json)
 
@@ -414,6 +427,13 @@ def _every_arm(engine, ks) -> list:
     return [Arm()] + [Arm(d, k) for d in engine.drafters for k in ks]
 
 
+def _bench_layer_skip(args, engine, bench) -> dict:
+    return bench.bench_layer_skip(engine, _classes(args), tune_prompts=2 if args.quick else 3,
+                                  eval_prompts=2 if args.quick else args.prompts,
+                                  budget=6 if args.quick else args.budget,
+                                  max_new_tokens=32 if args.quick else args.max_new_tokens)
+
+
 def _bench_replay(args, engine, bench) -> dict:
     arms = _every_arm(engine, (2, 4) if args.quick else (1, 2, 4, 8))
     return bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
@@ -486,7 +506,7 @@ _BENCHES = {
     "engine": _bench_engine, "lossless": _bench_lossless, "cache": _bench_cache, "longrun": _bench_longrun,
     "choices": _bench_choices, "lengths": _bench_lengths, "chunked": _bench_chunked, "prefix": _bench_prefix,
     "concurrency": _bench_clients, "serve": _bench_clients, "replay": _bench_replay, "arms": _bench_arms,
-    "controller": _bench_controller,
+    "controller": _bench_controller, "layer-skip": _bench_layer_skip,
 }
 
 
@@ -660,15 +680,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=at_least(0.01, float), help="time limit per class")
     p.add_argument("--prompts", type=at_least(1), default=4, help="prompts per trial")
     p.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
+    p.add_argument("--layer-skip", action="store_true",
+                   help="also search which target layers to skip for self-speculation, per class")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_tune)
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
                                             " store, durability, limits, cache, longrun, choices, lengths, chunked,"
-                                            " prefix, concurrency, serve, hostile, backends"))
+                                            " prefix, concurrency, serve, hostile, backends, layer-skip"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
                                     "durability", "limits", "cache", "longrun", "choices", "lengths", "chunked",
-                                    "prefix", "concurrency", "serve", "hostile", "backends"])
+                                    "prefix", "concurrency", "serve", "hostile", "backends", "layer-skip"])
     p.add_argument("--llamacpp-dir", metavar="DIR", help="bench backends: where llama.cpp is built (default:"
                                                          " $AUTOTUNE_LLAMACPP_DIR or ~/.cache/autotune)")
     p.add_argument("--postgres", metavar="URL", help="bench store, durability: also on fresh databases created on"
@@ -682,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4); bench"
                                   " arms: the arms to measure, DRAFTER:* for every K (default: every drafter, every K)")
     p.add_argument("--prompts", type=at_least(1), default=6, help="prompts (per class)")
+    p.add_argument("--budget", type=at_least(1), default=16, help="bench layer-skip: skip-set trials per class")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
     p.add_argument("--requests", type=at_least(1),

@@ -11,12 +11,13 @@ from pathlib import Path
 import nbformat
 import optuna
 import pytest
+from conftest import tiny_llama
 from nbclient import NotebookClient
 
 from autotune.classes import RequestClass, Workload
 from autotune.cli import main
 from autotune.controller import AutotuneController
-from autotune.tune import load_priors, tune_class
+from autotune.tune import add_tuned_skip_sets, load_priors, seed_from_studies, tune_class, tune_skip_sets
 from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
 from policies import Context
 from store import Store
@@ -59,6 +60,45 @@ def test_tuning_is_resumable_and_seeds_the_online_policy(small_store, classes):
         ctl.policy.set_prior(name, p)
     table = ctl.policy.table(Context("rep"))
     assert {a for a, row in table.rows.items() if row[0] > 0} == set(priors["rep"])
+
+
+def test_a_skip_set_search_per_class_adds_its_best_sets_as_arms_and_seeds_them(classes, tmp_path):
+    """SWIFT's search offline: one yes/no per skippable layer and K; OFF (nothing skipped) first."""
+    target = tiny_llama(3, layers=4)
+    url = f"sqlite:///{tmp_path / 'skip.db'}"
+    study = tune_skip_sets(SpeculativeEngine(target), classes["rep"], url, budget=8, prompts_per_trial=2,
+                           progress=False)
+    assert study.trials[0].user_attrs["arm"] == "off"
+    assert set(study.trials[0].params) == {"skip_1", "skip_2", "skip_3", "k"}  # layer 0 sizes the masks
+    tried = {t.user_attrs["arm"] for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE}
+    assert len(tried) >= 4 and all(a == "off" or a.startswith("skip-") for a in tried)
+    priors = load_priors(url)["rep"]
+    assert priors["off"][0] == pytest.approx(1.0) and set(priors) <= tried
+
+    serving = SpeculativeEngine(target)  # a fresh engine, as `autotune serve` builds one
+    added = add_tuned_skip_sets(serving, url, per_class=2)
+    best = sorted((a for a in priors if a != "off"), key=lambda a: -priors[a][0])[:2]
+    assert added == [Arm.parse(a).drafter for a in best] and set(serving.drafters) == set(added)
+    ctl = AutotuneController(serving, policy="thompson")
+    seeded = seed_from_studies(ctl, url)["rep"]
+    assert set(best) <= set(seeded) and ctl.policy.table(Context("rep")).rows[best[0]][0] > 0
+
+
+def test_bench_layer_skip_compares_tuned_sets_with_the_best_single_set_and_early_exit(classes):
+    from autotune.bench import bench_layer_skip
+
+    engine = SpeculativeEngine(tiny_llama(3, layers=4))
+    result = bench_layer_skip(engine, classes, tune_prompts=2, eval_prompts=2, budget=5, exits=(2, 3),
+                              progress=lambda *_: None)
+    tuned = {c["tuned"]["arm"] for c in result["classes"].values()}
+    assert result["best_single_skip_arm"] in tuned
+    assert result["best_early_exit_arm"] in ("skip-2.3:2", "skip-3:2")
+    for name, c in result["classes"].items():
+        assert set(c["arms"]) == {"off", *tuned, "skip-2.3:2", "skip-3:2"}, name
+        assert c["arms"]["off"]["speedup_vs_off"] == 1.0 and set(c["transformers_early_exit"]) == {"2", "3"}
+        speedup = {arm: row["speedup_vs_off"] for arm, row in c["arms"].items()}
+        ratio = speedup[c["tuned"]["arm"]] / speedup[result["best_single_skip_arm"]]
+        assert c["tuned_vs_best_single"] == pytest.approx(ratio, abs=2e-3)
 
 
 @pytest.mark.parametrize("notebook, figures", [("policy_inspection.ipynb", 6), ("tuning_report.ipynb", 4)])

@@ -16,6 +16,7 @@ from autotune.bench.decisions import bench_decisions
 from autotune.bench.durability import bench_durability
 from autotune.bench.engine_speed import bench_engine
 from autotune.bench.hostile import bench_hostile
+from autotune.bench.layer_skip import bench_layer_skip
 from autotune.bench.limits import bench_limits, llama_shaped_engine
 from autotune.bench.lossless import bench_lossless
 from autotune.bench.prefill import (
@@ -34,6 +35,7 @@ from autotune.bench.tenants import bench_many_classes
 __all__ = ["BENCH_KS", "bench_arms", "bench_backend_controller",
            "bench_cache", "bench_choices", "bench_chunked", "bench_chunked_clients",
            "bench_concurrency", "bench_controller", "bench_decisions", "bench_durability", "bench_engine",
-           "bench_hostile", "bench_lengths", "bench_limits", "bench_long_batch", "bench_lossless", "bench_many_classes",
+           "bench_hostile", "bench_layer_skip",
+           "bench_lengths", "bench_limits", "bench_long_batch", "bench_lossless", "bench_many_classes",
            "bench_peer", "bench_prefix", "bench_prefix_clients", "bench_replay", "bench_serve",
            "bench_store", "device_name", "fresh_stores", "hindsight_arms", "llama_shaped_engine"]
