@@ -6,11 +6,13 @@ arm, every other class's tuned arm (the best of them over all classes is the bes
 set), early exit after layer N as this engine runs it (the last layers skipped, drafting into the
 target's cache), and transformers' own `assistant_early_exit=N` against transformers' plain
 `generate()` on the same target, same prompts (its ratio is against its own OFF: the two engines'
-speeds differ, the ratios compare).
+speeds differ, the ratios compare). Each skip arm also gets its draft step's cost against a target
+step: with acceptance, what decides whether it can pay.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -50,6 +52,25 @@ def hf_seconds(engine: SpeculativeEngine, ids: list[int], cls: RequestClass, max
     return time.perf_counter() - began, out.shape[1] - prompt.shape[1]
 
 
+def step_cost_ratio(engine: SpeculativeEngine, drafter: str, prompt: list[int], repeats: int = 30) -> float:
+    """Median seconds of the skip drafter's 1-token step over the median of the target's own, both
+    fed at the same position of the same cache: what a draft costs against what it saves."""
+    ids = torch.tensor(prompt, device=engine.device)
+    view = engine.drafters[drafter].runner
+    with torch.inference_mode():
+        engine.runner.begin(ids[:-1], ids.numel() + 2)
+        view.use_cache_of(engine.runner)
+        last = ids[None, -1:].clone()
+        times = {"target": [], "view": []}
+        for _ in range(repeats):
+            for name, runner in (("target", engine.runner), ("view", view)):
+                began = time.perf_counter()
+                runner.step(last, ids.numel() - 1, keep=1)
+                times[name].append(time.perf_counter() - began)
+                engine.runner.truncate(ids.numel() - 1)
+    return statistics.median(times["view"]) / statistics.median(times["target"])
+
+
 def bench_layer_skip(engine: SpeculativeEngine, classes: dict[str, RequestClass], tune_prompts: int = 3,
                      eval_prompts: int = 4, budget: int = 16, exits: tuple[int, ...] | None = None,
                      exit_k: int = 2, max_new_tokens: int | None = None, progress=print) -> dict:
@@ -87,13 +108,17 @@ def bench_layer_skip(engine: SpeculativeEngine, classes: dict[str, RequestClass]
                 hf[name][method][0] += seconds
                 hf[name][method][1] += tokens
     out = {}
-    for name in classes:
+    for name, cls in classes.items():
         rows = stats[name]
         off = rows["off"]["tokens"] / rows["off"]["seconds"]
         arms_out = {arm: {"speedup_vs_off": round(s["tokens"] / s["seconds"] / off, 3),
                           "acceptance": round(s["accepted"] / s["drafted"], 3) if s["drafted"] else None}
                     for arm, s in rows.items()}
         hf_off = hf[name][None][1] / hf[name][None][0]
+        for arm, row in arms_out.items():
+            if arm != "off":
+                row["step_cost_vs_target"] = round(step_cost_ratio(engine, Arm.parse(arm).drafter,
+                                                                   engine.encode(cls.prompts[0]).tolist()), 3)
         out[name] = {"tuned": tuned[name], "arms": arms_out,
                      "transformers_early_exit": {str(n): round(hf[name][n][1] / hf[name][n][0] / hf_off, 3)
                                                  for n in exits}}
