@@ -27,6 +27,10 @@ from engine.identity import weights_hash
 from engine.runner import cache_argument
 
 EOS = "<|endoftext|>"
+# Turns as Python comments, the assistant's left open: text a code model continues, and what
+# /v1/chat/completions, LangChain's ChatOpenAI and guidellm's chat requests need a template for.
+CHAT_TEMPLATE = ("{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}# assistant:\n{% endif %}")
 DEFAULT_FAMILY_DIR = Path(__file__).parent / "family"
 
 
@@ -109,7 +113,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=EOS
+        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=EOS, chat_template=CHAT_TEMPLATE
     )
 
 

@@ -42,7 +42,7 @@ def with_bos(tokenizer):
 @pytest.fixture(scope="module")
 def served():
     tokenizer = with_bos(AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target"))
-    tokenizer.chat_template = TEMPLATE  # the family has none
+    tokenizer.chat_template = TEMPLATE  # one that writes the BOS
     target = tiny_llama(0, vocab=len(tokenizer))
     engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, tokenizer=tokenizer)
     controller = AutotuneController(engine, policy="ucb", arms=[OFF, Arm("self", 3), Arm("ngram", 4)], max_batch=4,
@@ -244,6 +244,24 @@ def test_a_refusal_from_the_engine_names_the_field_it_is_about(served, path, bod
     assert got == 400 and error["error"]["param"] == param, error
 
 
+def test_the_default_family_answers_chats_through_its_own_template():
+    from autotune.zoo import load_engine
+
+    engine = load_engine(drafters=["distilled"])
+    controller = AutotuneController(engine, policy="ucb", arms=[OFF, Arm("ngram+distilled", 3)])
+    server = CompletionServer(controller, ("127.0.0.1", 0), "family")
+    server.start()
+    try:
+        status, body = post(f"http://127.0.0.1:{server.server_port}",
+                            {"messages": CHAT, "max_tokens": 12, "temperature": 0}, "/v1/chat/completions")
+    finally:
+        server.shutdown()
+    prompt = "# system: Write Python.\n# user: Parse argv.\n# assistant:\n"
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == len(engine.tokenizer(prompt)["input_ids"])
+    assert body["choices"][0]["message"]["content"] == engine.generate(prompt, "off", 12).text
+
+
 def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_stream(served):
     engine, base = served
     # The template writes the BOS; encoding adds none (vLLM's chat default), so there is one.
@@ -309,9 +327,10 @@ def test_fields_other_clients_send_are_ignored_as_vllm_does(served):
 def test_a_chat_needs_a_chat_template():
     from autotune.openai_api import BadRequest, ChatCompletionRequest
 
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    tokenizer.chat_template = None  # a model without one, as many base models are
     with pytest.raises(BadRequest, match="no chat template: send a prompt to /v1/completions"):
-        ChatCompletionRequest.parse({"messages": CHAT}).checked(AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR
-                                                                                              / "target"))
+        ChatCompletionRequest.parse({"messages": CHAT}).checked(tokenizer)
 
 
 def test_concurrent_clients_are_batched_and_each_gets_its_own_output(served):
