@@ -24,6 +24,7 @@ from store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = [OFF, Arm("small", 1), Arm("small", 3), Arm("ngram", 2)]
+ARMS_NAMED = [str(a) for a in ARMS]
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +215,11 @@ def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classe
         for cls in measured["classes"].values():
             assert cls["arms"]["off"]["speedup_vs_off"] == 1.0
             assert cls["best_arm"] in cls["arms"]
+        cells = measured["classes"].values()
+        slowest = max(sum(1 / c["arms"][a]["speedup_vs_off"] for c in cells) for a in ARMS_NAMED)
+        fastest = sum(1 / c["arms"][c["best_arm"]]["speedup_vs_off"] for c in cells)  # equal OFF times: a bound
+        assert 1.0 <= measured["oracle_vs_best_static"] <= slowest / fastest + 1e-3
+        assert measured["distinct_best_arms"] == len({c["best_arm"] for c in cells})
     load = {"burst_share": 0.3, "burst_size": 4}
     stream = Workload({"rep": 1, "mixed": 1}, n_requests=10, **load)
     drift = Workload({"rep": 1, "mixed": 0.1}, n_requests=10, seed=1, drift=((0.5, {"rep": 0.1, "mixed": 1}),),

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from autotune.bench.common import compile_total, device_name, rotate
-from autotune.classes import RequestClass
+from autotune.bench.controller import hindsight_arms
+from autotune.classes import RequestClass, Workload
 from engine import Arm, SamplingParams, SpeculativeEngine
 
 BENCH_KS = (1, 2, 3, 4, 6, 8)
@@ -85,5 +86,13 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         out[name] = {"best_arm": best, "loop_rate": round(loop_count / len(prompts), 3), "arms": arms_out}
         speedup = arms_out[best]["speedup_vs_off"]
         progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
-    return {"device": device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
-            "batch": batch, "compile_s_total": compile_total(compile_report), "classes": out}
+    result = {"device": device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
+              "batch": batch, "compile_s_total": compile_total(compile_report), "classes": out}
+    # What choosing per class could gain at all: the per-class oracle against the best single arm,
+    # each class weighed by its OFF time (a stream with as many requests of each).
+    _, static, gain = hindsight_arms({1: result}, Workload(dict.fromkeys(classes, 1.0)))  # one load: this one
+    result |= {"best_static_arm": str(static), "oracle_vs_best_static": gain,
+               "distinct_best_arms": len({c["best_arm"] for c in out.values()})}
+    progress(f"per-class oracle {gain}x the best single arm {static};"
+             f" {result['distinct_best_arms']} distinct best arms")
+    return result
