@@ -29,7 +29,8 @@ from engine.drafters import lookup_of, model_drafter_of
 from policies import make_policy
 from store import Store
 
-STATIC_ARMS = ("off", "ngram:4", "ngram:6", "distilled:2", "distilled:4", "ngram+distilled:2", "ngram+distilled:4")
+STATIC_ARMS = ("off", "ngram:4", "ngram:6", "distilled:2", "distilled:4", "ngram+distilled:2", "ngram+distilled:4",
+               "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")
 
 
 def tenant_classes(base: dict[str, RequestClass], count: int) -> dict[str, RequestClass]:
