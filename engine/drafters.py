@@ -212,7 +212,7 @@ class HybridDrafter:
     def tokenizer(self):
         return getattr(self.inner, "tokenizer", None)
 
-    # A feature drafter's (engine/feature.py), when it is the inner one; warm_up a layer-skip one's too.
+    # A feature drafter's (engine/feature.py), when it is the inner one.
     def attach(self, name: str, target, target_hash: str | None, **options) -> None:
         self.inner.attach(name, target, target_hash, **options)
 
@@ -222,7 +222,7 @@ class HybridDrafter:
     def warm_up(self, ks: list[int]) -> None:
         self.inner.warm_up(ks)
 
-    # A layer-skip drafter's (engine/layer_skip.py), when it is the inner one.
+    # A layer-skip drafter's (engine/layer_skip.py), when it is the inner one (`warm_up` above serves it too).
     def share(self, target: ModelRunner) -> None:
         self.inner.share(target)
 

@@ -166,7 +166,8 @@ class ModelRunner:
         if cache == "compiled":
             context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
             self.max_cache_len = min(max_cache_len or COMPILED_CACHE_LEN, context)
-            self._static = rollback_static_cache(model.config, self.max_cache_len)
+            # Allocated by the first `begin`: a runner that steps into another's cache (use_cache_of) needs none.
+            self._static: StaticCache | None = None
             use_compile_cache_dir()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             if model.device.type == "cuda":  # CUDA graphs
@@ -187,6 +188,8 @@ class ModelRunner:
         """Prefill `prompt` (eager) into a fresh cache that will hold at most `max_length` positions."""
         if self.kind == "compiled" and max_length <= self.max_cache_len:
             self._eager_request = False
+            if self._static is None:
+                self._static = rollback_static_cache(self.model.config, self.max_cache_len)
             self._cache = self._static
             self.truncate(0)
         elif self.kind == "static":
