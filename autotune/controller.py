@@ -592,10 +592,16 @@ class AutotuneController:
                 if not learning:
                     share[1] += share[2]
             estimates.pop(str(arm), None)  # the arm played has its measured reward
-            return {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
-        return sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()),
-                               functools.partial(costs.draft_cost, arm.drafter),
-                               functools.partial(costs.verify_cost, drafter=arm.drafter))
+            replayed = {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
+        else:
+            replayed = {}
+        # The played drafter's other Ks from its acceptance per position: all a drafter the replay
+        # cannot run (feature heads, layer skip) has to tell about them; left out while replaying,
+        # each of its Ks was played once to be known, K=1 too, on a new controller's requests.
+        siblings = sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()),
+                                   functools.partial(costs.draft_cost, arm.drafter),
+                                   functools.partial(costs.verify_cost, drafter=arm.drafter))
+        return siblings | replayed
 
     def learn_segment(self, arm: Arm, context: Context, done: GenerationMetrics, committed: int, row_rounds: int,
                       fell_back: bool) -> None:

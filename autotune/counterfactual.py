@@ -76,6 +76,15 @@ class CostModel:
     weights evicted from the CPU caches by the target's verify (demo family: 1.19 ms, against
     0.62-0.85 ms for the later steps of the round), so a round is priced as measured at its K,
     else by a line in its tokens through the Ks measured.
+
+    Rewards and replays price rounds in OFF steps, and a ratio of two medians taken at different
+    moments is as wrong as the machine's speed moved between them: OFF's step was measured at
+    calibration and the drafters' verifies on later requests, and a controller's rewards came
+    out 0.8x or 1.24x the speedups measured beside them by whether the machine ran fast or slow
+    while it calibrated. So the costs in OFF steps are taken side by side, OFF and each drafter
+    on the same prompt within seconds (`observe_side_by_side`, from `rewards.calibrate`), and
+    requests measured alone never move them; without such measurements (a load no calibration
+    ran at, an older store) the ratio of the medians stands in.
     """
 
     def __init__(self, window: int = WINDOW) -> None:
@@ -87,6 +96,10 @@ class CostModel:
         self.prefill: dict[str, list[list[float]]] = {}  # drafter -> [[seconds, prompt tokens]], a request each
         self.off_decode: list[list[float]] = []  # OFF in continuous batches: [[engine s per verify s, verify s]]
         self.since_off = 0  # requests observed since the last one that measured OFF's step
+        # In OFF steps, measured side by side with OFF's (`observe_side_by_side`): drafter -> K ->
+        # [[steps per round, rounds, draft steps per round]]; who drafted -> tokens per verify -> [[steps, rounds]]
+        self.relative_draft: dict[str, dict[int, list[list[float]]]] = {}
+        self.relative_verify: dict[str, dict[int, list[list[float]]]] = {}
 
     def _add(self, observations: list, value) -> None:
         observations.append(value)
@@ -113,6 +126,20 @@ class CostModel:
             if rounds and not (width == 1 and metrics.drafted):
                 self._add(table.setdefault(width, []), [seconds / rounds, rounds])
 
+    def observe_side_by_side(self, arm: Arm, metrics, off_step: float) -> None:
+        """Add the draft and verify costs of a request served on `arm` beside OFF ones on the same
+        prompt (their step: `off_step` seconds), in those steps."""
+        if not metrics.drafted or off_step <= 0:
+            return
+        if metrics.draft_steps and metrics.draft_rounds:
+            self._add(self.relative_draft.setdefault(arm.drafter, {}).setdefault(arm.k, []),
+                      [metrics.draft_s / metrics.draft_rounds / off_step, metrics.draft_rounds,
+                       metrics.draft_steps / metrics.draft_rounds])
+        table = self.relative_verify.setdefault(arm.drafter, {})
+        for width, (seconds, rounds) in metrics.verify_by_width.items():
+            if rounds and width > 1:
+                self._add(table.setdefault(width, []), [seconds / rounds / off_step, rounds])
+
     def observe_off_decode(self, seconds: float, verify_s: float) -> None:
         """Add OFF rounds of a continuous batch: all their engine seconds (rows joining and
         leaving copy the caches, the controller works between rounds) and those spent verifying."""
@@ -125,7 +152,8 @@ class CostModel:
 
     def state_dict(self) -> dict:
         return {"window": self.window, "draft": self.draft, "verify": self.verify, "prefill": self.prefill,
-                "off_decode": self.off_decode, "since_off": self.since_off}
+                "off_decode": self.off_decode, "since_off": self.since_off, "relative_draft": self.relative_draft,
+                "relative_verify": self.relative_verify}
 
     @classmethod
     def from_state(cls, state: dict) -> CostModel:
@@ -148,6 +176,10 @@ class CostModel:
         costs.prefill = {d: [list(o) for o in obs] for d, obs in state["prefill"].items()}
         costs.off_decode = [list(o) for o in state["off_decode"]]
         costs.since_off = int(state.get("since_off", 0))
+        costs.relative_draft = {d: {int(k): [list(o) for o in obs] for k, obs in rows.items()}
+                                for d, rows in state.get("relative_draft", {}).items()}
+        costs.relative_verify = {who: {int(w): [list(o) for o in obs] for w, obs in table.items()}
+                                 for who, table in state.get("relative_verify", {}).items()}
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:
@@ -180,12 +212,21 @@ class CostModel:
 
     def relative_verify_cost(self, tokens: int, drafter: str | None = None) -> float | None:
         """A verify of `tokens` after `drafter`'s drafts in 1-token steps, never below 1 (None before
-        a 1-token step ran): whatever the noise in either estimate, a wider verify does at least a
-        step's work."""
-        one, cost = self.off_step(), self.verify_cost(tokens, drafter)
-        if one is None or cost is None:
+        a 1-token step ran): as measured side by side with OFF's step, else the ratio of their
+        medians. Whatever the noise in either estimate, a wider verify does at least a step's work."""
+        if self.off_step() is None:
             return None
-        return max(1.0, cost / one)
+        if self.relative_verify:
+            side_by_side = 1.0 if tokens == 1 else _verify_line(self.relative_verify, tokens, drafter)
+            return max(1.0, side_by_side)
+        one, cost = self.off_step(), self.verify_cost(tokens, drafter)
+        return None if cost is None else max(1.0, cost / one)
+
+    def relative_draft_cost(self, drafter: str, k: int) -> float | None:
+        """A round of k drafts by `drafter` in 1-token steps, as measured side by side with OFF's
+        (`draft_cost`'s line through the Ks measured so); None where it was not."""
+        rows = self.relative_draft.get(drafter)
+        return _draft_line(rows, k) if rows else None
 
     def off_step_during(self, metrics, drafter: str | None = None) -> float | None:
         """What an OFF step would have cost while this request ran.
@@ -210,52 +251,63 @@ class CostModel:
         least-squares line through each K's measured (tokens per round, seconds per round), else
         (one K measured) k times its cost per token. Measured first, as for verifies: the cost per
         step falls along a round (the caches warm up), so a line is only an interpolation."""
-        rows = self.draft.get(drafter, {})
-        if rows.get(k):
-            return _median(rows[k])
-        points = [(_median([[steps, n] for _, n, steps in obs]), _median(obs)) for obs in rows.values() if obs]
-        if not points:
-            return None
-        xs, ys = [x for x, _ in points], [y for _, y in points]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        per_step = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread > 1e-9 else -1.0
-        per_round = mean_y - per_step * mean_x
-        if per_step < 0 or per_round < 0:  # one K, or noise: the mean cost per token
-            return mean_y / mean_x * k
-        return per_round + per_step * k
+        return _draft_line(self.draft.get(drafter, {}), k)
 
     def verify_cost(self, tokens: int, drafter: str | None = None) -> float | None:
         """Seconds of a verify of `tokens` after `drafter`'s drafts (None: OFF's, or any drafter's):
         measured after that drafter's, else after any drafter's, else a least-squares line through
-        those measured.
+        those measured (`_verify_line`)."""
+        return _verify_line(self.verify, tokens, drafter if drafter is not None else OFF_ROUNDS)
 
-        The line for a multi-token verify goes through multi-token verifies only: a 1-token step
-        skips work that every longer one pays once (eager attention builds a causal mask for more
-        than one query), 26 % of a step on the demo family against ~5 % per extra token, so a line
-        through it would price large K at twice their cost until they had been played.
-        """
-        own = self.verify.get(drafter if drafter is not None else OFF_ROUNDS, {})
-        if own.get(tokens):  # the common case, on every request's path: no other width needed
-            return _median(own[tokens])
-        pooled: dict[int, list] = {}
-        for table in self.verify.values():
-            for width, obs in table.items():
-                pooled.setdefault(width, []).extend(obs)
-        points = {t: _median(own.get(t) or obs) for t, obs in pooled.items() if obs}
-        if tokens in points:
-            return points[tokens]
-        if tokens > 1:
-            points = {t: v for t, v in points.items() if t > 1} or points
-        if not points:
-            return None
-        if len(points) == 1:
-            (t0, v0), = points.items()
-            return v0 * (1 + VERIFY_SLOPE_PRIOR * (tokens - t0))
-        ts, vs = list(points), list(points.values())
-        mean_t, mean_v = sum(ts) / len(ts), sum(vs) / len(vs)
-        slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(ts, vs)) / sum((t - mean_t) ** 2 for t in ts)
-        return max(mean_v + slope * (tokens - mean_t), min(vs))
+
+def _draft_line(rows: dict[int, list[list[float]]], k: int) -> float | None:
+    """A round of k drafts from `rows` (K -> [[cost per round, rounds, steps per round]]): see
+    `CostModel.draft_cost`."""
+    if rows.get(k):
+        return _median(rows[k])
+    points = [(_median([[steps, n] for _, n, steps in obs]), _median(obs)) for obs in rows.values() if obs]
+    if not points:
+        return None
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    per_step = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread > 1e-9 else -1.0
+    per_round = mean_y - per_step * mean_x
+    if per_step < 0 or per_round < 0:  # one K, or noise: the mean cost per token
+        return mean_y / mean_x * k
+    return per_round + per_step * k
+
+
+def _verify_line(tables: dict[str, dict[int, list[list[float]]]], tokens: int, who: str | None) -> float | None:
+    """A verify of `tokens` after `who`'s drafts from `tables` (who -> tokens -> [[cost, rounds]]):
+    as measured after `who`'s, else after anyone's, else a least-squares line through those.
+
+    The line for a multi-token verify goes through multi-token verifies only: a 1-token step
+    skips work that every longer one pays once (eager attention builds a causal mask for more
+    than one query), 26 % of a step on the demo family against ~5 % per extra token, so a line
+    through it would price large K at twice their cost until they had been played.
+    """
+    own = tables.get(who, {})
+    if own.get(tokens):  # the common case, on every request's path: no other width needed
+        return _median(own[tokens])
+    pooled: dict[int, list] = {}
+    for table in tables.values():
+        for width, obs in table.items():
+            pooled.setdefault(width, []).extend(obs)
+    points = {t: _median(own.get(t) or obs) for t, obs in pooled.items() if obs}
+    if tokens in points:
+        return points[tokens]
+    if tokens > 1:
+        points = {t: v for t, v in points.items() if t > 1} or points
+    if not points:
+        return None
+    if len(points) == 1:
+        (t0, v0), = points.items()
+        return v0 * (1 + VERIFY_SLOPE_PRIOR * (tokens - t0))
+    ts, vs = list(points), list(points.values())
+    mean_t, mean_v = sum(ts) / len(ts), sum(vs) / len(vs)
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in zip(ts, vs)) / sum((t - mean_t) ** 2 for t in ts)
+    return max(mean_v + slope * (tokens - mean_t), min(vs))
 
 
 def target_probabilities(engine: SpeculativeEngine, sequence: list[int], start: int,
@@ -432,7 +484,13 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
         return {}
     off_rounds = max(len(output) for _, output, _ in requests) - 1
     off_time = prefill_s + off_rounds * off_step_s
-    draft_cost = functools.cache(costs.draft_cost)
+
+    @functools.cache
+    def draft_cost(drafter: str, k: int) -> float | None:
+        """Seconds of a round, in this request's OFF steps where measured beside OFF (see CostModel)."""
+        relative = costs.relative_draft_cost(drafter, k)
+        return relative * off_step_s if relative is not None else costs.draft_cost(drafter, k)
+
     parts = {a.drafter: hybrid_parts(engine, a.drafter) for a in arms if not a.is_off}
     parts = {name: p for name, p in parts.items() if p is not None and draft_cost(p[1], 1) is not None
              and len(requests) == 1}

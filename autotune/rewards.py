@@ -66,10 +66,12 @@ def merge_configs(*configs):
         merged.update(config)
     return merged
 '''
-# Tokens it decodes per arm. At 17 (a K=8 run: two or three verifies) two calibrations of one
-# process a minute apart priced a drafter's K=8 round 0.96 and 1.27 OFF steps and a 9-token verify
-# 1.26 and 1.54, and every class chose its K by that draw; at 65, within 2-6 %, for 3 s more.
+# Tokens it decodes per drafter's run. At 17 (a K=8 run: two or three verifies) two calibrations
+# of one process a minute apart priced a drafter's K=8 round 0.96 and 1.27 OFF steps and a 9-token
+# verify 1.26 and 1.54, and every class chose its K by that draw. OFF's 32 steps a run suffice.
 CALIBRATION_TOKENS = 65
+CALIBRATION_OFF_TOKENS = 33
+CALIBRATION_PASSES = 1  # runs of each drafter and K, each between two of OFF
 
 
 def cost_key(bucket: str, sampled: bool) -> str:
@@ -197,8 +199,10 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     and largest K, CALIBRATION_TOKENS each), so that the first request needs no OFF baseline,
     every arm can be replayed from it, and no drafter is priced from one K played (a K=1 round
     times K overpriced a drafter's longer rounds by a third, and kept it from being played).
-    Requests replace these figures as they come (each cost is a median over requests, by rounds).
-    A drafter's prefill is not priced from here: it is learned when the drafter is played."""
+    Its draft and verify costs in OFF steps, measured side by side, price every reward and
+    replay after it (CostModel.observe_side_by_side); the costs in seconds are replaced by
+    requests' as they come (each a median over requests, by rounds). A drafter's prefill is not
+    priced from here: it is learned when the drafter is played."""
     costs = CostModel()
     length = CALIBRATION_PROMPT if engine.max_length is None else \
         max(1, min(CALIBRATION_PROMPT, engine.max_length - CALIBRATION_TOKENS - MAX_K - 1))
@@ -207,21 +211,34 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     else:
         rng = random.Random(0)
         prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
-    # OFF three times: every reward is scaled by its step. A hybrid is replayed from its parts' costs.
-    arms = [OFF] * 3 + [Arm(drafter, k) for drafter, drafter_ks in ks.items() for k in sorted({min(drafter_ks),
-                                                                                                 max(drafter_ks)})
-                        if hybrid_parts(engine, drafter) is None]
+    # Each drafter's run between two of OFF, every reward being scaled by OFF's step: the machine's
+    # speed moves by a tenth or more within seconds, and a drafter's costs in OFF steps taken
+    # against OFF runs before all of them varied by 15 % from one calibration to the next. A
+    # hybrid is replayed from its parts' costs.
+    drafters = [Arm(drafter, k) for drafter, drafter_ks in ks.items() if hybrid_parts(engine, drafter) is None
+                for k in sorted({min(drafter_ks), max(drafter_ks)})]
+    runs = [OFF]
+    for _ in range(CALIBRATION_PASSES):
+        for arm in drafters:
+            runs += [arm, OFF]
     # A process's first forwards run slower (allocations, lazy loads), and a slow OFF step would
     # price every verify low and every reward high: each arm runs a few steps unrecorded first.
-    warm_up = list(dict.fromkeys(arms))
-    for i, arm in enumerate([*warm_up, *arms]):
+    warm_up = list(dict.fromkeys(runs))
+    measured: list[tuple[Arm, GenerationMetrics]] = []
+    for i, arm in enumerate([*warm_up, *runs]):
         recorded = i >= len(warm_up)
+        tokens = (CALIBRATION_OFF_TOKENS if arm.is_off else CALIBRATION_TOKENS) if recorded else 4
         try:
             with engine_lock:
-                metrics = engine.generate(prompt, arm, CALIBRATION_TOKENS if recorded else 4, sampling).metrics
+                metrics = engine.generate(prompt, arm, tokens, sampling).metrics
         except Exception as exc:  # an arm that cannot be measured here is learned as it is played
             logger.info("calibration of %s skipped: %s", arm, exc)
             continue
         if recorded:
             costs.observe(arm, dataclasses.replace(metrics, draft_prefill_s=0.0))
+            measured.append((arm, metrics))
+    for i, (arm, metrics) in enumerate(measured):
+        beside = [m.verify_s / m.rounds for a, m in measured[max(0, i - 1):i + 2] if a.is_off and m.rounds]
+        if not arm.is_off and beside:
+            costs.observe_side_by_side(arm, metrics, sum(beside) / len(beside))
     return costs

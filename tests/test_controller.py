@@ -98,6 +98,9 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         assert {b: c.state_dict() for b, c in resumed.rewards.costs.items()} == {b: c.state_dict()
                                                                          for b, c in ctl.rewards.costs.items()}
         assert set(resumed.rewards.costs) == {"1", "1 sampled"} and resumed.rewards.costs["1"].off_step() > 0
+        # calibrated side by side with OFF, each drafter at its smallest and largest K
+        assert {d: set(ks) for d, ks in resumed.rewards.costs["1"].relative_draft.items()} == {"small": {2},
+                                                                                              "ngram": {3}}
         assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
         # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
@@ -163,6 +166,43 @@ class ReplayRecorder(Policy):
 
     def update(self, context, arm, outcome):
         self.replayed.append(bool(outcome.siblings))  # one K per drafter: only a replay fills it
+
+
+class Plays(Policy):
+    """Plays one arm and keeps the estimates each update came with."""
+
+    name = "plays"
+    learns = True
+
+    def __init__(self, arms, arm):
+        super().__init__(arms)
+        self.arm, self.told = arm, []
+
+    def choose(self, context):
+        return self.arm
+
+    def update(self, context, arm, outcome):
+        self.told.append(outcome.siblings)
+
+
+def test_a_drafter_the_replay_cannot_run_still_prices_its_other_ks_while_the_others_are_replayed(target, draft_model):
+    """The target drafting for itself behind a drafter that declares no replay (as feature heads
+    and layer skip do): every draft is kept, so its acceptance per position prices its smaller
+    K, beside the replayed arms; left out, each of its K had to be played to be known."""
+    from engine import ModelDrafter
+    from engine.drafters import Capabilities
+
+    class Opaque(ModelDrafter):
+        capabilities = Capabilities(batch=True)
+
+    engine = SpeculativeEngine(target, {"small": draft_model, "opaque": Opaque(target)})
+    arms = [OFF, Arm("small", 2), Arm("opaque", 1), Arm("opaque", 2), Arm("opaque", 4)]
+    policy = Plays(arms, Arm("opaque", 4))
+    ctl = AutotuneController(engine, policy=policy, min_baseline_steps=4)
+    ctl.generate(PROMPTS[0], "code", max_new_tokens=24)
+    told = policy.told[0]
+    assert {"off", "small:2"} <= set(told)  # replayed
+    assert {"opaque:1", "opaque:2"} <= set(told)  # from its acceptance per position
 
 
 @pytest.mark.parametrize("budget, expected", [

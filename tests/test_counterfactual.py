@@ -6,7 +6,14 @@ import json
 import pytest
 from test_engine import none_of_the_last_four, prompts
 
-from autotune.counterfactual import CostModel, arm_rewards, batch_rounds, replay_arm, target_probabilities
+from autotune.counterfactual import (
+    VERIFY_SLOPE_PRIOR,
+    CostModel,
+    arm_rewards,
+    batch_rounds,
+    replay_arm,
+    target_probabilities,
+)
 from engine import OFF, Arm, GenerationMetrics, HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
 
@@ -141,6 +148,33 @@ def test_a_verify_is_priced_as_it_costs_after_its_own_drafters_drafts():
     assert costs.relative_verify_cost(5, "ngram") == pytest.approx(1.2)
     assert costs.relative_verify_cost(5, "small") == pytest.approx(1.6)
     assert costs.relative_verify_cost(5, "medium") == pytest.approx(1.4)  # never played: every drafter's median
+
+
+def test_costs_in_off_steps_come_from_measurements_side_by_side_not_from_medians_of_other_moments():
+    """OFF's step measured while the machine ran fast, a drafter's verifies later while it ran
+    1.5x slower: their ratio would price the drafter's 3-token verify at 1.8 steps (1.2 side by
+    side), every request's implied OFF step 1.5x too long, and its reward 1.5x too high."""
+    costs = CostModel()
+    verified(costs, 1, 0.005)
+    side_by_side = GenerationMetrics(rounds=10, drafted=20, draft_steps=20, draft_rounds=10, draft_s=0.01,
+                                     verify_s=0.06, verify_by_width={3: [0.06, 10]})  # 6 ms a verify, 1 ms a round
+    costs.observe(Arm("small", 2), side_by_side)
+    costs.observe_side_by_side(Arm("small", 2), side_by_side, off_step=0.005)
+    slow = GenerationMetrics(rounds=10, drafted=20, draft_steps=20, draft_rounds=10, draft_s=0.015,
+                             verify_s=0.09, verify_by_width={3: [0.09, 10]})
+    for _ in range(5):
+        costs.observe(Arm("small", 2), slow)
+    assert costs.verify_cost(3, "small") == pytest.approx(0.009)  # seconds: as requests measure them
+    assert costs.relative_verify_cost(3, "small") == pytest.approx(1.2)
+    assert costs.relative_verify_cost(4, "small") == pytest.approx(1.2 * (1 + VERIFY_SLOPE_PRIOR))  # not measured
+    assert costs.off_step_during(slow, "small") == pytest.approx(0.0075)
+    assert costs.relative_draft_cost("small", 2) == pytest.approx(0.2)
+    assert costs.relative_draft_cost("ngram", 2) is None  # not measured side by side: seconds stand in
+    assert CostModel.from_state(json.loads(json.dumps(costs.state_dict()))).state_dict() == costs.state_dict()
+    without = CostModel()  # none side by side (a store from before, a load no calibration ran at)
+    verified(without, 1, 0.005)
+    without.observe(Arm("small", 2), slow)
+    assert without.relative_verify_cost(3, "small") == pytest.approx(1.8)
 
 
 def test_a_drafters_prefill_is_a_forward_plus_a_cost_per_token():

@@ -25,7 +25,7 @@ from autotune.classes import Request, RequestClass
 from autotune.controller import AutotuneController, default_arms
 from engine import SpeculativeEngine
 from engine.arms import OFF, Arm
-from engine.drafters import lookup_of, model_drafter_of
+from engine.drafters import capabilities, lookup_of, model_drafter_of
 from policies import make_policy
 from store import Store
 
@@ -55,11 +55,17 @@ def tenant_stream(classes: dict[str, RequestClass], per_class: int, seed: int = 
 
 
 def arm_kind(engine: SpeculativeEngine, arm: str) -> str:
+    """What drafts on `arm`: "model", "feature", "layer skip", "n-gram", or n-gram lookup first
+    and one of the others ("n-gram+model", ...); "off"."""
     drafter = engine.drafters.get(Arm.parse(arm).drafter)
     if drafter is None:
         return "off"
-    lookup, model = lookup_of(drafter), model_drafter_of(drafter)
-    return "hybrid" if lookup and model else "n-gram" if lookup else "model"
+    declared = capabilities(drafter)
+    inner = "feature" if declared.features else "layer skip" if declared.shares_target else \
+        "model" if model_drafter_of(drafter) is not None else None
+    if lookup_of(drafter) is None:
+        return inner or "unknown"
+    return "n-gram" if inner is None else f"n-gram+{inner}"
 
 
 def _goodput(rows: list[dict]) -> float:
