@@ -352,9 +352,7 @@ class UCBPolicy(BanditPolicy):
     def _pick(self, table: ArmTable) -> str:
         untried = [a for a in self.arm_names if table.n(a) < 1e-9]
         if untried:
-            # OFF first (the baseline), then the largest K: a drafter's acceptance per position at
-            # K prices each smaller K of it (sibling rewards), so those need no play of their own.
-            return max(untried, key=lambda a: (self.by_name[a].is_off, self.by_name[a].k))
+            return untried[0]
         sd = math.sqrt(table.pooled_variance())
         total = sum(table.n(a) for a in self.arm_names)
         log_term = 2.0 * math.log(max(total, 2.0))
