@@ -204,7 +204,8 @@ class AutotuneController:
       continuous batch with it; by default not on a compiled engine, whose one-request steps are
       several times faster than its eager batches on a GPU.
     - `calibrate`: measure OFF and every drafter before the first request (rewards.calibrate), so
-      that no request has to be served OFF to price the others.
+      that no request has to be served OFF to price the others; again on a store whose costs
+      were not measured side by side with OFF's.
     """
 
     def __init__(
@@ -290,8 +291,12 @@ class AutotuneController:
         if calibrate and self.policy.learns:
             for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0)):
                 key = cost_key("1", not sampling.greedy)
-                if key not in self.rewards.costs:
+                stored = self.rewards.costs.get(key)
+                if stored is None:
                     self.rewards.costs[key] = calibrate_costs(engine, self._ks, sampling, self.engine_lock)
+                elif not stored.relative_verify:  # a store from before costs were measured side by side
+                    measured = calibrate_costs(engine, self._ks, sampling, self.engine_lock)
+                    stored.relative_draft, stored.relative_verify = measured.relative_draft, measured.relative_verify
 
     def _reachable_arms(self) -> list[Arm]:
         """The policy's arms, plus the largest K a schedule that moves K inside a request can reach."""

@@ -151,6 +151,25 @@ def test_a_save_that_hangs_delays_no_request(engine, tmp_path, monkeypatch):
         assert store.load_policy_states("ucb")["code@load1"] == ctl.policy.state_dict()["code@load1"]
 
 
+def test_a_store_whose_costs_were_not_measured_side_by_side_is_calibrated_again(engine, tmp_path):
+    """Costs saved before calibration paired each drafter with OFF keep what requests measured
+    and gain the side-by-side costs, instead of pricing every reward by a ratio of medians."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
+    with Store(url) as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=arms)
+        ctl.generate(PROMPTS[0], request_class="code", max_new_tokens=8)
+        ctl.close()
+        old = {key: {k: v for k, v in state.items() if not k.startswith("relative_")}
+               for key, state in ctl.rewards.state_dict().items()}
+        store.save_policy_states({"__costs__": old})
+    with Store(url) as store:
+        resumed = AutotuneController(engine, store, policy="ucb", arms=arms)
+        costs = resumed.rewards.costs["1"]
+        assert costs.verify == ctl.rewards.costs["1"].verify  # what requests measured, kept
+        assert set(costs.relative_verify) == {"small", "ngram"}
+
+
 class ReplayRecorder(Policy):
     """Plays small:2 and records whether each update came with counterfactual estimates."""
 
