@@ -80,7 +80,7 @@ class CostModel:
     Rewards and replays price rounds in OFF steps, and a ratio of two medians taken at different
     moments is as wrong as the machine's speed moved between them: OFF's step was measured at
     calibration and the drafters' verifies on later requests, and a controller's rewards came
-    out 0.8x or 1.24x the speedups measured beside them by whether the machine ran fast or slow
+    out 0.9x or 1.24x the speedups measured beside them by whether the machine ran fast or slow
     while it calibrated. So the costs in OFF steps are taken side by side, OFF and each drafter
     on the same prompt within seconds (`observe_side_by_side`, from `rewards.calibrate`), and
     requests measured alone never move them; without such measurements (a load no calibration
