@@ -214,12 +214,12 @@ class CostModel:
         """A verify of `tokens` after `drafter`'s drafts in 1-token steps, never below 1 (None before
         a 1-token step ran): as measured side by side with OFF's step, else the ratio of their
         medians. Whatever the noise in either estimate, a wider verify does at least a step's work."""
-        if self.off_step() is None:
+        one = self.off_step()
+        if one is None:
             return None
         if self.relative_verify:
-            side_by_side = 1.0 if tokens == 1 else _verify_line(self.relative_verify, tokens, drafter)
-            return max(1.0, side_by_side)
-        one, cost = self.off_step(), self.verify_cost(tokens, drafter)
+            return max(1.0, 1.0 if tokens == 1 else _verify_line(self.relative_verify, tokens, drafter))
+        cost = self.verify_cost(tokens, drafter)
         return None if cost is None else max(1.0, cost / one)
 
     def relative_draft_cost(self, drafter: str, k: int) -> float | None:

@@ -71,7 +71,6 @@ def merge_configs(*configs):
 # verify 1.26 and 1.54, and every class chose its K by that draw. OFF's 32 steps a run suffice.
 CALIBRATION_TOKENS = 65
 CALIBRATION_OFF_TOKENS = 33
-CALIBRATION_PASSES = 1  # runs of each drafter and K, each between two of OFF
 
 
 def cost_key(bucket: str, sampled: bool) -> str:
@@ -218,9 +217,8 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     drafters = [Arm(drafter, k) for drafter, drafter_ks in ks.items() if hybrid_parts(engine, drafter) is None
                 for k in sorted({min(drafter_ks), max(drafter_ks)})]
     runs = [OFF]
-    for _ in range(CALIBRATION_PASSES):
-        for arm in drafters:
-            runs += [arm, OFF]
+    for arm in drafters:
+        runs += [arm, OFF]
     # A process's first forwards run slower (allocations, lazy loads), and a slow OFF step would
     # price every verify low and every reward high: each arm runs a few steps unrecorded first.
     warm_up = list(dict.fromkeys(runs))
