@@ -387,6 +387,7 @@ class SpeculativeEngine:
         schedule: KSchedule | None = None,
         streamer: Streamer | None = None,
         pause: Callable[[], bool] | None = None,
+        probe_off: int = 0,
     ) -> GenerationResult:
         """Decode one request on `arm`; the output is the target's own, whatever the arm.
 
@@ -397,7 +398,14 @@ class SpeculativeEngine:
         holds the output so far and `rest`, which `BatchSession.add` finishes as a batch row
         (re-prefilling prompt and output, as vLLM's recompute preemption does); its streamer is
         not ended.
+
+        `probe_off`: on a drafter, serve this many rounds OFF (K = 0), spread over the output, and
+        time them into `metrics.probe_s`: OFF's step measured among the request's own rounds (the
+        machine's step moves by a quarter within tenths of a second, so one taken on other
+        requests, or in a run before this one, prices the request's rounds by another moment).
         """
+        if isinstance(probe_off, bool) or not isinstance(probe_off, int) or probe_off < 0:
+            raise InvalidRequestError(f"probe_off must be an int >= 0, got {probe_off!r}")
         arm = Arm.of(arm)
         sampling = self.bad_words_as_ids(sampling or SamplingParams())
         schedule = schedule or ConstantK()
@@ -406,7 +414,7 @@ class SpeculativeEngine:
         if streamer is not None:
             check_streamer(streamer)
         try:
-            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, pause)
+            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, pause, probe_off)
         except BaseException:
             end_stream(streamer)  # the decoding error is the one to raise
             raise
@@ -417,7 +425,7 @@ class SpeculativeEngine:
 
     def _decode(self, ids: torch.Tensor, arm: Arm, drafter: Drafter | None, max_new_tokens: int,
                 sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None,
-                pause: Callable[[], bool] | None) -> GenerationResult:
+                pause: Callable[[], bool] | None, probe_off: int) -> GenerationResult:
         m = GenerationMetrics.of_request(ids.numel())
         row = Row(ids.tolist(), ids.numel(), max_new_tokens, sampling, self._generator(sampling),
                   self.stopping(sampling, ids.numel()), m, streamer)
@@ -437,13 +445,21 @@ class SpeculativeEngine:
         now = stream([row], [row.prompt_len], m, prompt=True)
 
         k, paused = arm.k, False
+        # output lengths at which a round runs OFF, spread over the request as its rounds are
+        probe_at = [row.prompt_len + (i + 1) * max_new_tokens // (probe_off + 1) for i in range(probe_off)] \
+            if drafter is not None else []
         while not row.done:
             if pause is not None and pause():
                 paused = True
                 break
             before = len(row.tokens)
-            report = decode_round(feed, [row], k, self._sync, began=now)
-            if report.drafted[0]:
+            probing = bool(probe_at) and before >= probe_at[0] and feed.drafting
+            report = decode_round(feed, [row], 0 if probing else k, self._sync, began=now)
+            if probing:
+                probe_at.pop(0)
+                m.probe_s += report.ended - now
+                m.probe_rounds += 1
+            elif report.drafted[0]:
                 k = schedule.next_k(k, report.drafted[0], report.accepted[0])
             now = stream([row], [before], m, since=report.ended)
 

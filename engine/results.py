@@ -32,6 +32,9 @@ class GenerationMetrics:
     verify_by_width: dict[int, list[float]] = field(default_factory=dict)  # tokens per row -> [seconds, rounds]
     total_s: float = 0.0
     stream_s: float = 0.0  # in the caller's streamer: left out of every time above, which are the engine's
+    # OFF steps a speculative request ran among its rounds (`generate`'s `probe_off`); they count above too
+    probe_s: float = 0.0
+    probe_rounds: int = 0
 
     @classmethod
     def of_request(cls, prompt_tokens: int) -> GenerationMetrics:
@@ -94,6 +97,24 @@ class GenerationMetrics:
                 setattr(out, name, mine + value)
         return out
 
+    def without_probes(self) -> GenerationMetrics:
+        """These counters less the OFF rounds `probe_off` served among the arm's (each committed one
+        token in a 1-token verify): the arm's own work."""
+        if not self.probe_rounds:
+            return self
+        out = copy.deepcopy(self)
+        out.rounds -= self.probe_rounds
+        out.new_tokens -= self.probe_rounds
+        out.verify_s -= self.probe_s
+        out.total_s -= self.probe_s
+        one = out.verify_by_width[1]
+        one[0] -= self.probe_s
+        one[1] -= self.probe_rounds
+        if not one[1]:
+            del out.verify_by_width[1]
+        out.probe_s, out.probe_rounds = 0.0, 0
+        return out
+
     def trim_positions(self) -> None:
         """Drop the per-position counts beyond the last position ever drafted."""
         used = max((i + 1 for i, d in enumerate(self.drafted_per_position) if d), default=0)
@@ -113,6 +134,11 @@ class GenerationMetrics:
     def mean_accepted_length(self) -> float:
         """Tokens committed per target forward after prefill (1.0 for OFF)."""
         return (self.new_tokens - 1) / self.rounds if self.rounds else 0.0
+
+    @property
+    def probe_step(self) -> float | None:
+        """Seconds of an OFF step measured inside this request (`probe_off`); None if none was."""
+        return self.probe_s / self.probe_rounds if self.probe_rounds else None
 
     @property
     def tokens_per_s(self) -> float:

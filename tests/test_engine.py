@@ -501,6 +501,25 @@ def test_a_target_that_fails_a_verify_step_falls_back_to_off_and_the_request_is_
     assert result.metrics.drafted > 0
 
 
+def test_off_rounds_among_a_requests_own_keep_it_lossless_and_are_told_apart(engine, target):
+    """`probe_off` serves rounds at K = 0 with the drafter set: every drafter must take them (its
+    cache lags a token or more behind), and the arm's own counters are what is left."""
+    for i, prompt in enumerate(prompts(4, seed=5)):
+        reference = hf_greedy(target, prompt, 24)
+        for name in engine.drafters:
+            result = engine.generate(prompt, Arm(name, 4), max_new_tokens=24, probe_off=3)
+            assert result.tokens == reference, (i, name)
+            m, own = result.metrics, result.metrics.without_probes()
+            assert m.probe_rounds == 3 and 0 < m.probe_s < m.verify_s
+            assert (own.rounds, own.new_tokens, own.drafted) == (m.rounds - 3, 21, m.drafted)
+            assert own.verify_s == pytest.approx(m.verify_s - m.probe_s)
+            assert own.total_s == pytest.approx(m.total_s - m.probe_s)
+            assert sum(n for _, n in own.verify_by_width.values()) == own.rounds
+            if name == "self":  # every round of its own drafted K tokens and kept them
+                assert own.verify_by_width.get(1) is None and own.mean_accepted_length == 5.0
+    assert engine.generate(prompts(1)[0], "off", 24, probe_off=3).metrics.probe_rounds == 0
+
+
 def test_metrics_add_up(engine):
     result = engine.generate(prompts(1)[0], "self:4", max_new_tokens=21)
     m = result.metrics
@@ -559,6 +578,7 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", 2, SamplingParams(min_tokens=3)),
          r"min_tokens \(3\) exceeds max_new_tokens \(2\)"),
         (lambda e: e.generate([1, 2], "off", streamer=5), r"a streamer needs put\(\) and end\(\) methods"),
+        (lambda e: e.generate([1, 2], "small:2", probe_off=-1), "probe_off must be an int >= 0, got -1"),
         (lambda e: e.generate_batch("abc", "off"), "prompts must be a list of prompts, got a single str"),
         # arguments of the wrong type are named, not met by a TypeError from deep inside
         (lambda e: e.generate([[1, 2]], "off"), r"a prompt is text, or token ids \(ints\) in a list or a tensor"),

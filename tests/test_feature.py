@@ -35,11 +35,14 @@ def test_greedy_equals_target_generate_and_the_head_gets_each_committed_position
     for i, prompt in enumerate(prompts(8)):
         max_new = 17 + i % 5
         reference = hf_greedy(target, prompt, max_new)
-        for arm in ("feature:1", "feature:3", "ngram+feature:4", "feature:8"):
+        # with OFF rounds among the drafter's (`probe_off`) too: the head is handed their features
+        for arm, probes in (("feature:1", 0), ("feature:3", 0), ("ngram+feature:4", 0), ("feature:8", 0),
+                            ("feature:3", 2), ("ngram+feature:4", 3)):
             handed.clear()
-            result = engine.generate(prompt, arm, max_new_tokens=max_new)
+            result = engine.generate(prompt, arm, max_new_tokens=max_new, probe_off=probes)
             assert result.tokens == reference, (i, arm)
             assert not result.fell_back, result.fallback_error
+            assert result.metrics.probe_rounds == probes
             reused += result.metrics.cached_prompt_tokens
             committed = prompt + result.tokens
             with torch.no_grad():

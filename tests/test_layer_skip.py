@@ -31,9 +31,11 @@ def test_greedy_equals_target_generate_for_every_skip_set_and_k(deep_target, cac
     for i, prompt in enumerate(prompts(6)):
         max_new = 17 + i % 5  # the last round's drafts cross max_new_tokens
         reference = hf_greedy(deep_target, prompt, max_new)
-        for arm in ("skip-1:1", "skip-1:3", "skip-2.3:8", "skip-1.2.3:2", "ngram+skip:4", "off"):
-            result = engine.generate(prompt, arm, max_new_tokens=max_new)
-            assert result.tokens == reference, (i, arm)
+        for arm, probes in (("skip-1:1", 0), ("skip-1:3", 0), ("skip-2.3:8", 0), ("skip-1.2.3:2", 0),
+                            ("ngram+skip:4", 0), ("off", 0), ("skip-1:3", 3), ("ngram+skip:4", 2)):
+            # OFF rounds among the drafter's (`probe_off`) leave its cache behind the target's
+            result = engine.generate(prompt, arm, max_new_tokens=max_new, probe_off=probes)
+            assert result.tokens == reference, (i, arm, probes)
             assert not result.fell_back, result.fallback_error
             accepted += result.metrics.accepted
     assert accepted > 0
