@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import JSON, Boolean, Float, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 class Base(DeclarativeBase):
@@ -53,6 +53,9 @@ class Observation(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     new_tokens: Mapped[int] = mapped_column(Integer)
     rounds: Mapped[int] = mapped_column(Integer, default=0)
+    # of them, rounds served OFF among the arm's to measure OFF's step (`probe_off`), and their seconds
+    probe_rounds: Mapped[int] = mapped_column(Integer, default=0)
+    probe_s: Mapped[float] = mapped_column(Float, default=0.0)
     drafted: Mapped[int] = mapped_column(Integer, default=0)
     accepted: Mapped[int] = mapped_column(Integer, default=0)
     acceptance: Mapped[float | None] = mapped_column(Float, nullable=True)
@@ -150,6 +153,14 @@ def _add_policy_journal(conn) -> None:
     PolicyCheckpoint.__table__.create(conn, checkfirst=True)
 
 
+def _add_probes(conn) -> None:
+    """4 -> 5: observations record the OFF rounds served among the arm's (older rows: none)."""
+    for name, default in (("probe_rounds", "0"), ("probe_s", "0.0")):
+        column = Observation.__table__.c[name]
+        conn.execute(text(f"ALTER TABLE {Observation.__tablename__} ADD COLUMN {name}"
+                          f" {column.type.compile(conn.dialect)} DEFAULT {default}"))
+
+
 # version -> function(connection) that upgrades a database from that version to the next, inside
 # the transaction that opens the store: a crash midway leaves the old version intact.
-MIGRATIONS: dict = {1: _add_queue_and_stream_error, 2: _add_finish_reason, 3: _add_policy_journal}
+MIGRATIONS: dict = {1: _add_queue_and_stream_error, 2: _add_finish_reason, 3: _add_policy_journal, 4: _add_probes}

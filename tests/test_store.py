@@ -192,15 +192,17 @@ def test_refuses_a_newer_schema_and_leaves_it_untouched(tmp_path):
 
 def older_store(path: Path, version: int) -> None:
     """A store as schema `version` left it, with one observation and a saved policy state:
-    version 3 had no journal of policy updates, version 2 no finish_reason either, version 1
-    neither queue_s nor stream_error."""
+    version 4 did not record OFF rounds among an arm's, version 3 had no journal of policy updates
+    either, version 2 no finish_reason, version 1 neither queue_s nor stream_error."""
     with Store(f"sqlite:///{path}") as s:
         s.record(**obs(7))
         s.save_policy_state("ucb", "code@load1", {"pulls": 3})
-    dropped = {3: [], 2: ["finish_reason"], 1: ["finish_reason", "queue_s", "stream_error"]}[version]
+    dropped = ["probe_rounds", "probe_s", *{4: [], 3: [], 2: ["finish_reason"],
+                                            1: ["finish_reason", "queue_s", "stream_error"]}[version]]
     with sqlite3.connect(path) as conn:
-        conn.execute("DROP TABLE autotune_policy_updates")
-        conn.execute("DROP TABLE autotune_policy_checkpoints")
+        if version < 4:
+            conn.execute("DROP TABLE autotune_policy_updates")
+            conn.execute("DROP TABLE autotune_policy_checkpoints")
         for column in dropped:
             conn.execute(f"ALTER TABLE autotune_observations DROP COLUMN {column}")
         conn.execute(f"UPDATE autotune_meta SET value = '{version}' WHERE key = 'schema_version'")
@@ -226,17 +228,17 @@ def test_an_older_schema_is_migrated_in_one_transaction(tmp_path, monkeypatch):
         assert "queue_s" not in columns and "stream_error" not in columns
 
     monkeypatch.setitem(store.schema.MIGRATIONS, 1, migrate)
-    with Store(f"sqlite:///{path}") as s:  # 1 -> 2 -> 3 -> 4
+    with Store(f"sqlite:///{path}") as s:  # 1 -> 2 -> 3 -> 4 -> 5
         s.record(**obs(8), queue_s=0.25, stream_error="client went away", finish_reason="abort")
         s.flush()
         old, new = sorted(s.observations(), key=lambda o: o["prompt_tokens"])
     assert (old["prompt_tokens"], old["queue_s"], old["stream_error"], old["finish_reason"]) == (7, 0.0, None, None)
     assert (new["queue_s"], new["stream_error"], new["finish_reason"]) == (0.25, "client went away", "abort")
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("4",)
+        assert conn.execute("SELECT value FROM autotune_meta WHERE key = 'schema_version'").fetchone() == ("5",)
     path = tmp_path / "v2.db"
     older_store(path, 2)
-    with Store(f"sqlite:///{path}") as s:  # 2 -> 3 -> 4
+    with Store(f"sqlite:///{path}") as s:  # 2 -> 3 -> 4 -> 5
         s.record(**obs(8), finish_reason="stop")
         s.flush()
         assert [o["finish_reason"] for o in sorted(s.observations(), key=lambda o: o["id"])] == [None, "stop"]
@@ -247,6 +249,13 @@ def test_an_older_schema_is_migrated_in_one_transaction(tmp_path, monkeypatch):
         s.record_update(policy="ucb", seq=1, request_class="code", load=1, arm="off", goodput=9.0, reward=1.0)
         s.flush()
         assert [u["arm"] for u in s.policy_updates("ucb")] == ["off"]
+    path = tmp_path / "v4.db"
+    older_store(path, 4)
+    with Store(f"sqlite:///{path}") as s:  # 4 -> 5: older rows served no OFF rounds among the arm's
+        s.record(**obs(8), probe_rounds=3, probe_s=0.02)
+        s.flush()
+        rows = sorted(s.observations(), key=lambda o: o["id"])
+        assert [(o["probe_rounds"], o["probe_s"]) for o in rows] == [(0, 0.0), (3, 0.02)]
 
 
 def _store_error(url: str) -> str:
@@ -368,6 +377,8 @@ def test_a_version_3_store_is_upgraded_where_it_stands(store_url):
     with engine.begin() as conn:
         conn.execute(text("DROP TABLE autotune_policy_updates"))
         conn.execute(text("DROP TABLE autotune_policy_checkpoints"))
+        for column in ("probe_rounds", "probe_s"):
+            conn.execute(text(f"ALTER TABLE autotune_observations DROP COLUMN {column}"))
         conn.execute(text("UPDATE autotune_meta SET value = '3' WHERE key = 'schema_version'"))
     engine.dispose()
     openers = [run_python(f"""
@@ -382,4 +393,4 @@ def test_a_version_3_store_is_upgraded_where_it_stands(store_url):
         assert s.load_checkpoint("ucb") == ({"code@load1": {"pulls": 3}}, 0)
         assert [u["arm"] for u in s.policy_updates("ucb")] == ["off", "off"] and s.count() == 1
         with s.engine.connect() as conn:
-            assert conn.execute(text("SELECT value FROM autotune_meta WHERE key = 'schema_version'")).scalar() == "4"
+            assert conn.execute(text("SELECT value FROM autotune_meta WHERE key = 'schema_version'")).scalar() == "5"
