@@ -464,6 +464,7 @@ class AutotuneController:
             self._drafter_has_room(arm, r, load > 1) for r in requests))
         with self.policy_lock:
             schedule = self.policy.schedule(context, arm) if load == 1 else None
+            probes = self.rewards.probes_for(context, arm) if self.policy.learns else 0
         decision_s = time.perf_counter() - started
         with self.engine_lock, self.gpu.measure() as gpu:
             engine_started = time.perf_counter()
@@ -471,7 +472,7 @@ class AutotuneController:
                 one = requests[0]
                 pause = (lambda: bool(batch.waiting())) if batch is not None else None
                 results = [self.engine.generate(one.ids, arm, one.max_new_tokens, one.sampling, schedule,
-                                                one.streamer, pause)]
+                                                one.streamer, pause, probes)]
                 served = results[0].metrics
             else:
                 together = self.engine.generate_batch([r.ids for r in requests], arm,
@@ -569,6 +570,7 @@ class AutotuneController:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
         if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
             return {}
+        served = served.without_probes()  # the arm's own rounds
         key = context.key
         with self.policy_lock:
             before = self._served.get(key, 0)
@@ -643,7 +645,8 @@ class AutotuneController:
         m = result.metrics
         self.store.record(
             request_class=result.request_class, arm=str(result.arm), policy=self.policy.name,
-            prompt_tokens=m.prompt_tokens, new_tokens=m.new_tokens, rounds=m.rounds, drafted=m.drafted,
+            prompt_tokens=m.prompt_tokens, new_tokens=m.new_tokens, rounds=m.rounds, probe_rounds=m.probe_rounds,
+            probe_s=m.probe_s, drafted=m.drafted,
             accepted=m.accepted, acceptance=m.acceptance, acceptance_per_position=m.acceptance_per_position,
             prefill_s=m.prefill_s, draft_s=m.draft_s, verify_s=m.verify_s, total_s=m.total_s,
             queue_s=result.queue_s, goodput=result.goodput, reward=result.reward, gpu_util=result.gpu_util,

@@ -81,10 +81,13 @@ class CostModel:
     moments is as wrong as the machine's speed moved between them: OFF's step was measured at
     calibration and the drafters' verifies on later requests, and a controller's rewards came
     out 0.9x or 1.24x the speedups measured beside them by whether the machine ran fast or slow
-    while it calibrated. So the costs in OFF steps are taken side by side, OFF and each drafter
-    on the same prompt within seconds (`observe_side_by_side`, from `rewards.calibrate`), and
-    requests measured alone never move them; without such measurements (a load no calibration
-    ran at, an older store) the ratio of the medians stands in.
+    while it calibrated. So the costs in OFF steps are taken side by side: OFF and each drafter
+    on the same prompt within seconds (`rewards.calibrate`), then OFF steps served among a
+    request's own rounds (`probe_off`: the machine's step moves by a quarter within tenths of a
+    second, and a drafter's verifies over OFF runs beside them varied twice as much from one
+    request to the next as over OFF rounds among them). Requests without such steps never move
+    them; without any (a load no calibration ran at, an older store) the ratio of the medians
+    stands in.
     """
 
     def __init__(self, window: int = WINDOW) -> None:
@@ -100,6 +103,8 @@ class CostModel:
         # [[steps per round, rounds, draft steps per round]]; who drafted -> tokens per verify -> [[steps, rounds]]
         self.relative_draft: dict[str, dict[int, list[list[float]]]] = {}
         self.relative_verify: dict[str, dict[int, list[list[float]]]] = {}
+        # drafter -> [requests that measured OFF's step among their rounds (`probe_off`), requests since the last]
+        self.probed: dict[str, list[int]] = {}
 
     def _add(self, observations: list, value) -> None:
         observations.append(value)
@@ -109,7 +114,9 @@ class CostModel:
         """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it)."""
         if not metrics.rounds:
             return
-        self.since_off = self.since_off + 1 if metrics.drafted else 0
+        self.since_off = self.since_off + 1 if metrics.drafted and not metrics.probe_rounds else 0
+        if metrics.drafted:
+            self._observe_probes(arm, metrics, drafts)
         if metrics.draft_steps and metrics.draft_rounds and drafts:
             row = self.draft.setdefault(arm.drafter, {}).setdefault(arm.k, [])
             self._add(row, [metrics.draft_s / metrics.draft_rounds, metrics.draft_rounds,
@@ -126,12 +133,30 @@ class CostModel:
             if rounds and not (width == 1 and metrics.drafted):
                 self._add(table.setdefault(width, []), [seconds / rounds, rounds])
 
-    def observe_side_by_side(self, arm: Arm, metrics, off_step: float) -> None:
-        """Add the draft and verify costs of a request served on `arm` beside OFF ones on the same
-        prompt (their step: `off_step` seconds), in those steps."""
+    def _observe_probes(self, arm: Arm, metrics, drafts: bool) -> None:
+        """A speculative request's OFF steps served among its rounds (`probe_off`) price its rounds
+        in OFF steps side by side, and are OFF's step of the moment."""
+        taken = self.probed.setdefault(arm.drafter, [0, 0])
+        if not metrics.probe_rounds:
+            taken[1] += 1
+            return
+        taken[0], taken[1] = taken[0] + 1, 0
+        self._add(self.verify.setdefault(OFF_ROUNDS, {}).setdefault(1, []), [metrics.probe_step, metrics.probe_rounds])
+        self.observe_side_by_side(arm, metrics.without_probes(), metrics.probe_step, drafts)
+
+    def probes_due(self, drafter: str, first: int, every: int) -> bool:
+        """Whether a request on `drafter` should measure OFF's step among its rounds: each of its
+        `first` requests, then one in `every`."""
+        taken, since = self.probed.get(drafter, (0, 0))
+        return taken < first or since + 1 >= every
+
+    def observe_side_by_side(self, arm: Arm, metrics, off_step: float, drafts: bool = True) -> None:
+        """Add the draft and verify costs of a request served on `arm` beside OFF steps measured
+        with it (`off_step` seconds: OFF runs on the same prompt, or OFF rounds among its own), in
+        those steps; `drafts` False: its verifies only (K moved inside it)."""
         if not metrics.drafted or off_step <= 0:
             return
-        if metrics.draft_steps and metrics.draft_rounds:
+        if metrics.draft_steps and metrics.draft_rounds and drafts:
             self._add(self.relative_draft.setdefault(arm.drafter, {}).setdefault(arm.k, []),
                       [metrics.draft_s / metrics.draft_rounds / off_step, metrics.draft_rounds,
                        metrics.draft_steps / metrics.draft_rounds])
@@ -153,7 +178,7 @@ class CostModel:
     def state_dict(self) -> dict:
         return {"window": self.window, "draft": self.draft, "verify": self.verify, "prefill": self.prefill,
                 "off_decode": self.off_decode, "since_off": self.since_off, "relative_draft": self.relative_draft,
-                "relative_verify": self.relative_verify}
+                "relative_verify": self.relative_verify, "probed": self.probed}
 
     @classmethod
     def from_state(cls, state: dict) -> CostModel:
@@ -180,6 +205,7 @@ class CostModel:
                                 for d, rows in state.get("relative_draft", {}).items()}
         costs.relative_verify = {who: {int(w): [list(o) for o in obs] for w, obs in table.items()}
                                  for who, table in state.get("relative_verify", {}).items()}
+        costs.probed = {d: [int(n) for n in counts] for d, counts in state.get("probed", {}).items()}
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:

@@ -10,7 +10,9 @@ tokens its rounds committed per verify.
 
 `RewardModel` holds the measured costs, per load bucket and greedy or sampled (`cost_key`), and
 says when they can price a reward at all (`knows_off`); `calibrate` measures them before the
-first request, so no request has to be served OFF to price the others.
+first request, so no request has to be served OFF to price the others, and a drafter's first
+requests, then one in PROBE_EVERY, serve a few rounds OFF among their own to measure what its
+verifies cost in OFF steps at the moment (`probes_for`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,16 @@ def merge_configs(*configs):
 # verify 1.26 and 1.54, and every class chose its K by that draw. OFF's 32 steps a run suffice.
 CALIBRATION_TOKENS = 65
 CALIBRATION_OFF_TOKENS = 33
+# OFF rounds a request runs among its own while its drafter's costs in OFF steps are learned
+# (`RewardModel.probes_for`). Two cost a 64-token request on a 2x feature arm about 5 % of its
+# time, so only a drafter's first requests at a load run them, then one in 64 (which also keeps
+# OFF's step fresh: no OFF request is due). A drafter's verify in OFF steps, one request at a
+# time on the demo family, spread by 0.09-0.24 (sd) over three such rounds, 0.15-0.34 over full
+# OFF runs beside it; the median of a few requests' prices rewards within 5 % of the speedups
+# measured (`autotune bench rewards`), where calibration's alone were up to 24 % above them.
+PROBE_ROUNDS = 2
+PROBE_FIRST = 6
+PROBE_EVERY = 64
 
 
 def cost_key(bucket: str, sampled: bool) -> str:
@@ -94,7 +106,8 @@ class RewardModel:
     """The measured costs, and the rewards they price.
 
     A learning policy plays OFF at a load until `min_baseline_steps` OFF steps ran there (any
-    class), and again once every `remeasure_off_every` requests there: every reward and replay
+    class), and again once `remeasure_off_every` requests there measured no OFF step (neither
+    served OFF nor running OFF rounds among their own, `probes_for`): every reward and replay
     is scaled by that step, and a policy that has left OFF would otherwise price them for good
     by OFF steps measured at another moment of the machine (rewards 0.90-1.17x the speedups
     measured beside them, by the moment each controller measured OFF).
@@ -105,6 +118,16 @@ class RewardModel:
         self.costs = costs if costs is not None else {}  # cost_key -> measured draft and verify costs
         self.min_baseline_steps = min_baseline_steps
         self.remeasure_off_every = remeasure_off_every
+
+    def probes_for(self, context: Context, arm: Arm) -> int:
+        """OFF rounds a request served alone on `arm` should run among its own (`generate`'s
+        `probe_off`): PROBE_ROUNDS on each of a drafter's first PROBE_FIRST requests at a load,
+        then on one in PROBE_EVERY; none on OFF or in batches."""
+        if arm.is_off or context.load > 1:
+            return 0
+        costs = self.costs_of(context)
+        due = costs is None or costs.probes_due(arm.drafter, PROBE_FIRST, PROBE_EVERY)
+        return PROBE_ROUNDS if due else 0
 
     def costs_for(self, load: int, sampled: bool) -> CostModel:
         """The costs of requests at this load, greedy or sampled (made empty if none yet)."""
@@ -141,7 +164,10 @@ class RewardModel:
     def request_reward(arm: Arm, metrics: GenerationMetrics, off_steps: int, costs: CostModel) -> float:
         """Speedup over OFF of a request (or a batch served together) on `arm`: `off_seconds` over
         the time it took. A batch's OFF steps are its longest output's (`off_steps`), each step
-        decoding every row. An OFF request scores about 1.0; 1.0 before any OFF step ran at its load."""
+        decoding every row. An OFF request scores about 1.0; 1.0 before any OFF step ran at its load.
+        OFF rounds served among the arm's (`probe_off`) are left out of both."""
+        off_steps -= metrics.probe_rounds
+        metrics = metrics.without_probes()
         step = costs.off_step_during(metrics, arm.drafter)
         if step is None or metrics.total_s <= 0:
             return 1.0
@@ -199,9 +225,10 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     every arm can be replayed from it, and no drafter is priced from one K played (a K=1 round
     times K overpriced a drafter's longer rounds by a third, and kept it from being played).
     Its draft and verify costs in OFF steps, measured side by side, price every reward and
-    replay after it (CostModel.observe_side_by_side); the costs in seconds are replaced by
-    requests' as they come (each a median over requests, by rounds). A drafter's prefill is not
-    priced from here: it is learned when the drafter is played."""
+    replay after it until requests' OFF rounds among their own outvote them
+    (CostModel.observe_side_by_side, `RewardModel.probes_for`); the costs in seconds are
+    replaced by requests' as they come (each a median over requests, by rounds). A drafter's
+    prefill is not priced from here: it is learned when the drafter is played."""
     costs = CostModel()
     length = CALIBRATION_PROMPT if engine.max_length is None else \
         max(1, min(CALIBRATION_PROMPT, engine.max_length - CALIBRATION_TOKENS - MAX_K - 1))

@@ -664,7 +664,8 @@ def test_no_reward_exceeds_the_tokens_its_rounds_committed_on_a_noisy_machine(en
         rows = store.observations()
     assert {r["arm"] for r in rows} - {"off"}  # it did speculate
     for r in rows:
-        assert r["reward"] <= max(1.0, (r["new_tokens"] - 1) / max(r["rounds"], 1)) + 1e-9, r
+        own = r["rounds"] - r["probe_rounds"]  # the reward prices the arm's rounds, not OFF's among them
+        assert r["reward"] <= max(1.0, (r["new_tokens"] - 1 - r["probe_rounds"]) / max(own, 1)) + 1e-9, r
 
 
 def test_a_continuous_segment_scores_its_tokens_per_engine_second_against_off(engine):
@@ -713,6 +714,29 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
     ctl.learn_segment(Arm("small", 2), code, spec, 1000, 500, fell_back=False)
     assert rewards == pytest.approx([1.0, 1.0])
     assert [str(ctl.decide(Context("code", load, {}), segments=True)[1]) for load in (10, 3)] == ["small:2", "small:2"]
+
+
+def test_a_drafters_first_requests_then_one_in_a_few_measure_off_among_their_rounds(engine, monkeypatch):
+    """Each such request prices its drafter's verifies in OFF steps measured beside them, and is
+    rewarded for the arm's own rounds: its OFF rounds neither count against the arm nor for it."""
+    from autotune import rewards
+
+    monkeypatch.setattr(rewards, "PROBE_FIRST", 2)
+    monkeypatch.setattr(rewards, "PROBE_EVERY", 3)
+    ctl = AutotuneController(engine, policy=ReplayRecorder([OFF, Arm("small", 2)]))
+    costs = ctl.rewards.costs_of(Context("code", 1, {}))
+    calibrated = sum(len(obs) for obs in costs.relative_verify["small"].values())
+    results = [ctl.generate(PROMPTS[i], "code", max_new_tokens=16) for i in range(7)]
+    n = rewards.PROBE_ROUNDS
+    assert [r.metrics.probe_rounds for r in results] == [n, n, 0, 0, n, 0, 0]
+    assert costs.probed["small"] == [3, 2]
+    assert sum(len(obs) for obs in costs.relative_verify["small"].values()) >= calibrated + 3
+    assert costs.since_off == 2  # a probed request measured OFF's step: no OFF request is due
+    for r in results:
+        own = r.metrics.without_probes()
+        assert r.reward <= max(1.0, (own.new_tokens - 1) / own.rounds) + 1e-9
+    static = AutotuneController(engine, policy="static", arms=[OFF], arm="small:2")
+    assert static.generate(PROMPTS[0], "code", max_new_tokens=16).metrics.probe_rounds == 0  # it learns nothing
 
 
 def test_a_learning_policy_serves_off_until_its_load_has_enough_off_steps_in_any_class(engine):

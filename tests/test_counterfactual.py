@@ -1,6 +1,7 @@
 """Counterfactual replay: from one request, what every other arm would have done (greedy:
 exactly; sampled: in expectation)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -276,3 +277,28 @@ def test_a_batch_of_greedy_and_sampled_requests_replays_each_with_its_own_sampli
     mixed = estimate(rows, [None, hot])
     assert mixed == pytest.approx(estimate(rows[::-1], [hot, None]))  # each row's own, whatever the order
     assert mixed != pytest.approx(estimate(rows, None))  # not the first row's sampling for both
+
+
+def test_off_steps_among_a_requests_own_rounds_price_its_verifies_side_by_side():
+    """Calibration measured the drafter while the machine ran slow; requests then measure OFF's
+    step among their own rounds (`probe_off`), and their pairs outvote calibration's one."""
+    costs = CostModel()
+    verified(costs, 1, 0.005)
+    calibration = GenerationMetrics(rounds=10, drafted=20, draft_steps=20, draft_rounds=10, draft_s=0.015,
+                                    verify_s=0.09, verify_by_width={3: [0.09, 10]})
+    costs.observe_side_by_side(Arm("small", 2), calibration, off_step=0.005)  # 1.8 steps a verify
+    assert costs.relative_verify_cost(3, "small") == pytest.approx(1.8)
+    probed = GenerationMetrics(new_tokens=24, rounds=13, drafted=20, draft_steps=20, draft_rounds=10, draft_s=0.01,
+                               verify_s=0.075, verify_by_width={3: [0.06, 10], 1: [0.015, 3]},
+                               probe_s=0.015, probe_rounds=3, total_s=0.1)
+    for _ in range(2):
+        costs.observe(Arm("small", 2), probed)
+    assert costs.relative_verify_cost(3, "small") == pytest.approx(1.2)  # 6 ms verifies over 5 ms OFF steps
+    assert costs.relative_draft_cost("small", 2) == pytest.approx(0.2)
+    assert costs.probed == {"small": [2, 0]} and costs.since_off == 0
+    assert costs.off_step_during(probed.without_probes(), "small") == pytest.approx(0.005)
+    costs.observe(Arm("small", 2), dataclasses.replace(probed, probe_s=0.0, probe_rounds=0,
+                                                       verify_by_width={3: [0.06, 10]}, rounds=10))
+    assert costs.probed == {"small": [2, 1]} and costs.since_off == 1
+    assert [costs.probes_due("small", first, every) for first, every in ((3, 8), (2, 8), (2, 2))] == [True, False, True]
+    assert CostModel.from_state(json.loads(json.dumps(costs.state_dict()))).state_dict() == costs.state_dict()

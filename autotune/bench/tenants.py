@@ -101,10 +101,11 @@ def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClas
             r = controllers[name].generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
                                            req.top_p, req.seed)
             m = r.metrics
+            own = m.without_probes()  # what the reward prices: the arm's rounds, not OFF's among them
             log[name].append({
                 "class": req.request_class, "arm": str(r.arm), "tokens": m.new_tokens, "engine_s": m.total_s,
                 "seconds": m.total_s + r.decision_s + r.learn_s, "overhead_s": r.decision_s + r.learn_s,
-                "reward": r.reward, "bound": max(1.0, (m.new_tokens - 1) / m.rounds) if m.rounds else 1.0,
+                "reward": r.reward, "bound": max(1.0, (own.new_tokens - 1) / own.rounds) if own.rounds else 1.0,
                 "estimates": r.estimates, "prompt_tokens": m.prompt_tokens})
         if (i + 1) % 20 == 0:
             progress(f"  {i + 1}/{len(stream)} requests")
