@@ -439,6 +439,18 @@ def _bench_replay(args, engine, bench) -> dict:
     return bench.bench_replay(engine, _classes(args), arms, 2 if args.quick else args.prompts)
 
 
+def _bench_rewards(args, engine, bench) -> dict:
+    from autotune.bench.reward_scale import DEFAULT_ARMS
+    from engine import Arm
+
+    named = _named_arms(args.arms, (4, 8)) if args.arms else \
+        [Arm.parse(a) for a in DEFAULT_ARMS if Arm.parse(a).drafter in engine.drafters]
+    arms = [a for a in named if not a.is_off]  # each is measured beside OFF
+    for arm in arms:
+        engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
+    return bench.bench_reward_scale(engine, _classes(args), arms, 2 if args.quick else args.prompts)
+
+
 def _named_arms(text: str, ks: tuple[int, ...]) -> list:
     """Arms as `--arms` names them: `off`, `DRAFTER:K`, or `DRAFTER:*` for every K in `ks`."""
     from engine import Arm
@@ -506,7 +518,7 @@ _BENCHES = {
     "engine": _bench_engine, "lossless": _bench_lossless, "cache": _bench_cache, "longrun": _bench_longrun,
     "choices": _bench_choices, "lengths": _bench_lengths, "chunked": _bench_chunked, "prefix": _bench_prefix,
     "concurrency": _bench_clients, "serve": _bench_clients, "replay": _bench_replay, "arms": _bench_arms,
-    "controller": _bench_controller, "layer-skip": _bench_layer_skip,
+    "controller": _bench_controller, "layer-skip": _bench_layer_skip, "rewards": _bench_rewards,
 }
 
 
@@ -687,10 +699,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = common(sub.add_parser("bench", help="benchmarks: engine, lossless, arms, replay, controller, decisions,"
                                             " store, durability, limits, cache, longrun, choices, lengths, chunked,"
-                                            " prefix, concurrency, serve, hostile, backends, layer-skip"))
+                                            " prefix, concurrency, serve, hostile, backends, layer-skip, rewards"))
     p.add_argument("what", choices=["engine", "lossless", "arms", "replay", "controller", "decisions", "store",
                                     "durability", "limits", "cache", "longrun", "choices", "lengths", "chunked",
-                                    "prefix", "concurrency", "serve", "hostile", "backends", "layer-skip"])
+                                    "prefix", "concurrency", "serve", "hostile", "backends", "layer-skip",
+                                    "rewards"])
     p.add_argument("--llamacpp-dir", metavar="DIR", help="bench backends: where llama.cpp is built (default:"
                                                          " $AUTOTUNE_LLAMACPP_DIR or ~/.cache/autotune)")
     p.add_argument("--postgres", metavar="URL", help="bench store, durability: also on fresh databases created on"
@@ -702,7 +715,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-repeat-ngram", type=at_least(0), default=0, metavar="N",
                    help="bench engine: no method repeats an N-gram (the engine through a caller's logits processor)")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4); bench"
-                                  " arms: the arms to measure, DRAFTER:* for every K (default: every drafter, every K)")
+                                  " arms: the arms to measure, DRAFTER:* for every K (default: every drafter, every K);"
+                                  " bench rewards: the arms priced (default: n-gram, model, feature and hybrid ones)")
     p.add_argument("--prompts", type=at_least(1), default=6, help="prompts (per class)")
     p.add_argument("--budget", type=at_least(1), default=16, help="bench layer-skip: skip-set trials per class")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)

@@ -273,6 +273,19 @@ def test_bench_replay_scores_every_arm_of_every_class(small_store, classes):
     assert 0 <= result["mean_abs_error"] <= result["max_abs_error"]
 
 
+def test_bench_rewards_prices_each_arms_requests_by_calibration_and_by_learned_costs(small_store, classes):
+    from autotune.bench import bench_reward_scale
+
+    engine, _ = small_store
+    result = bench_reward_scale(engine, classes, [Arm("small", 3), Arm("ngram", 2)], prompts_per_class=2,
+                                progress=lambda *_: None)
+    assert set(result["arms"]) == {"small:3", "ngram:2"} and set(result["kinds"]) == {"model", "n-gram"}
+    for row in [*result["arms"].values(), *result["kinds"].values()]:
+        assert row["requests"] == 4  # 2 classes x 2 prompts, each served OFF, on the arm and with OFF rounds
+        assert row["speedup_measured"] > 0
+        assert row["calibration_over_measured"] > 0 and row["learned_over_measured"] > 0
+
+
 def test_hindsight_picks_the_static_arm_by_time_and_prices_the_oracles_gain():
     from autotune.bench import hindsight_arms
 

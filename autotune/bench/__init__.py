@@ -28,6 +28,7 @@ from autotune.bench.prefill import (
     bench_prefix_clients,
 )
 from autotune.bench.replay import bench_replay
+from autotune.bench.reward_scale import bench_reward_scale
 from autotune.bench.serving import bench_serve
 from autotune.bench.store_speed import bench_store
 from autotune.bench.tenants import bench_many_classes
@@ -37,5 +38,5 @@ __all__ = ["BENCH_KS", "bench_arms", "bench_backend_controller",
            "bench_concurrency", "bench_controller", "bench_decisions", "bench_durability", "bench_engine",
            "bench_hostile", "bench_layer_skip",
            "bench_lengths", "bench_limits", "bench_long_batch", "bench_lossless", "bench_many_classes",
-           "bench_peer", "bench_prefix", "bench_prefix_clients", "bench_replay", "bench_serve",
+           "bench_peer", "bench_prefix", "bench_prefix_clients", "bench_replay", "bench_reward_scale", "bench_serve",
            "bench_store", "device_name", "fresh_stores", "hindsight_arms", "llama_shaped_engine"]

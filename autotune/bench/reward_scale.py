@@ -1,0 +1,74 @@
+"""`autotune bench rewards`: how true to scale the rewards a controller learns from are.
+
+Each prompt is served OFF, on the arm, and on the arm with OFF rounds among its own
+(`probe_off`), one right after another, the order alternating from prompt to prompt, so the
+speedup measured (OFF's engine seconds per output token over the arm's) and the rewards price
+the same work at nearly the same moment. The arm's request is priced twice, as the controller
+prices it (`RewardModel.request_reward`): by the costs calibration measured before the first
+request alone, and by those costs once every request's OFF rounds were learned from (what a
+serving controller's costs become). Per arm and per arm kind: each mean reward over the mean
+speedup measured (1.0 is true to scale), and what the OFF rounds cost the requests that ran them.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import threading
+from collections import defaultdict
+
+from autotune.bench.common import device_name, rotate
+from autotune.bench.tenants import arm_kind
+from autotune.classes import RequestClass
+from autotune.controller import DEFAULT_KS
+from autotune.rewards import PROBE_ROUNDS, RewardModel, calibrate
+from engine import Arm, SamplingParams, SpeculativeEngine
+
+DEFAULT_ARMS = ("ngram:4", "distilled:4", "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")
+CALIBRATION_SAMPLING = {False: SamplingParams(), True: SamplingParams(0.7, 0.9, seed=0)}  # as the controller's
+
+
+def bench_reward_scale(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
+                       prompts_per_class: int = 6, progress=print) -> dict:
+    engine.warm_up(arms)
+    ks = {arm.drafter: list(DEFAULT_KS) for arm in arms}  # what a controller on default arms calibrates
+    calibrated = {sampled: calibrate(engine, ks, sampling, threading.Lock())
+                  for sampled, sampling in CALIBRATION_SAMPLING.items()}
+    learned = copy.deepcopy(calibrated)
+    served = []
+    for name, cls in classes.items():
+        for i, prompt in enumerate(cls.prompts[:prompts_per_class]):
+            ids = engine.encode(prompt).tolist()
+            sampling = SamplingParams(cls.temperature, cls.top_p, seed=i)
+            for arm in rotate(arms, i):
+                runs = {}
+                for how in ("off", "arm", "probed") if i % 2 == 0 else ("probed", "arm", "off"):
+                    runs[how] = engine.generate(ids, "off" if how == "off" else arm, cls.max_new_tokens, sampling,
+                                                probe_off=PROBE_ROUNDS if how == "probed" else 0).metrics
+                learned[not sampling.greedy].observe(arm, runs["probed"])
+                served.append((arm, not sampling.greedy, runs))
+        progress(f"{name}: {prompts_per_class} prompts x {len(arms)} arms")
+    cells = defaultdict(lambda: defaultdict(list))
+    for arm, sampled, runs in served:
+        off, m, probed = runs["off"], runs["arm"], runs["probed"]
+        if not (off.new_tokens and m.new_tokens and off.total_s and m.total_s):
+            continue
+        for key in (str(arm), arm_kind(engine, str(arm))):
+            cell = cells[key]
+            cell["measured"].append(off.total_s / off.new_tokens / (m.total_s / m.new_tokens))
+            for source, costs in (("calibration", calibrated), ("learned", learned)):
+                cell[source].append(RewardModel.request_reward(arm, m, m.new_tokens - 1, costs[sampled]))
+            cell["probe_cost"].append(probed.total_s / probed.new_tokens / (m.total_s / m.new_tokens) - 1)
+
+    def row(cell: dict) -> dict:
+        measured = statistics.fmean(cell["measured"])
+        return {"speedup_measured": round(measured, 3),
+                "calibration_over_measured": round(statistics.fmean(cell["calibration"]) / measured, 3),
+                "learned_over_measured": round(statistics.fmean(cell["learned"]) / measured, 3),
+                "off_rounds_cost": round(statistics.fmean(cell["probe_cost"]), 3),
+                "requests": len(cell["measured"])}
+
+    return {"device": device_name(engine), "prompts_per_class": prompts_per_class, "classes": list(classes),
+            "off_rounds_per_request": PROBE_ROUNDS,
+            "arms": {key: row(cell) for key, cell in cells.items() if key in {str(a) for a in arms}},
+            "kinds": {key: row(cell) for key, cell in cells.items() if key not in {str(a) for a in arms}}}
