@@ -146,9 +146,9 @@ class CostModel:
 
     def probes_due(self, drafter: str, first: int, every: int) -> bool:
         """Whether a request on `drafter` should measure OFF's step among its rounds: each of its
-        `first` requests, then one in `every`."""
+        `first` requests, then one in `every` (0: none)."""
         taken, since = self.probed.get(drafter, (0, 0))
-        return taken < first or since + 1 >= every
+        return taken < first or 0 < every <= since + 1
 
     def observe_side_by_side(self, arm: Arm, metrics, off_step: float, drafts: bool = True) -> None:
         """Add the draft and verify costs of a request served on `arm` beside OFF steps measured

@@ -721,6 +721,8 @@ def test_a_drafters_first_requests_then_one_in_a_few_measure_off_among_their_rou
     rewarded for the arm's own rounds: its OFF rounds neither count against the arm nor for it."""
     from autotune import rewards
 
+    default = AutotuneController(engine, policy=ReplayRecorder([OFF, Arm("small", 2)]))
+    assert default.generate(PROMPTS[0], "code", max_new_tokens=16).metrics.probe_rounds == 0  # off by default
     monkeypatch.setattr(rewards, "PROBE_FIRST", 2)
     monkeypatch.setattr(rewards, "PROBE_EVERY", 3)
     ctl = AutotuneController(engine, policy=ReplayRecorder([OFF, Arm("small", 2)]))
