@@ -10,9 +10,10 @@ tokens its rounds committed per verify.
 
 `RewardModel` holds the measured costs, per load bucket and greedy or sampled (`cost_key`), and
 says when they can price a reward at all (`knows_off`); `calibrate` measures them before the
-first request, so no request has to be served OFF to price the others, and a drafter's first
-requests, then one in PROBE_EVERY, serve a few rounds OFF among their own to measure what its
-verifies cost in OFF steps at the moment (`probes_for`).
+first request, so no request has to be served OFF to price the others. Switched on
+(PROBE_FIRST, PROBE_EVERY), a drafter's first requests, then one in PROBE_EVERY, serve a few
+rounds OFF among their own to measure what its verifies cost in OFF steps at the moment
+(`probes_for`).
 """
 
 from __future__ import annotations
@@ -74,15 +75,13 @@ def merge_configs(*configs):
 CALIBRATION_TOKENS = 65
 CALIBRATION_OFF_TOKENS = 33
 # OFF rounds a request runs among its own while its drafter's costs in OFF steps are learned
-# (`RewardModel.probes_for`). Two cost a 64-token request on a 2x feature arm about 5 % of its
-# time, so only a drafter's first requests at a load run them, then one in 64 (which also keeps
-# OFF's step fresh: no OFF request is due). A drafter's verify in OFF steps, one request at a
-# time on the demo family, spread by 0.09-0.24 (sd) over three such rounds, 0.15-0.34 over full
-# OFF runs beside it; the median of a few requests' prices rewards within 5 % of the speedups
-# measured (`autotune bench rewards`), where calibration's alone were up to 24 % above them.
-# Off by default: with a drafter's first six requests then one in 64, the many-classes bench ran
-# 3-4 % below the code without them in this CPU's runs of one hour (ucb 0.916-0.917 against
-# 0.950-0.971 of the best static arm), although rewards came out true to scale.
+# (`RewardModel.probes_for`). A drafter's verify in OFF steps, one request at a time on the demo
+# family, spread by 0.09-0.24 (sd) over three such rounds, 0.15-0.34 over full OFF runs beside
+# it, and the median of a few requests' priced rewards within 5 % of the speedups measured
+# (`autotune bench rewards`). Two cost a 64-token request on a 2x feature arm about 5 % of its
+# time. Off by default: on a drafter's first six requests then one in 64, the many-classes
+# bench ran 3-4 % below the code without them in this CPU's runs of one hour (ucb 0.916-0.917
+# against 0.950-0.971 of the best static arm).
 PROBE_ROUNDS = 2
 PROBE_FIRST = 0
 PROBE_EVERY = 0  # 0: none after the first
@@ -126,11 +125,11 @@ class RewardModel:
         """OFF rounds a request served alone on `arm` should run among its own (`generate`'s
         `probe_off`): PROBE_ROUNDS on each of a drafter's first PROBE_FIRST requests at a load,
         then on one in PROBE_EVERY (none when both are 0, the default); none on OFF or in batches."""
-        if arm.is_off or context.load > 1:
+        if arm.is_off or context.load > 1 or not (PROBE_FIRST or PROBE_EVERY):
             return 0
         costs = self.costs_of(context)
         due = costs is None or costs.probes_due(arm.drafter, PROBE_FIRST, PROBE_EVERY)
-        return PROBE_ROUNDS if due and (PROBE_FIRST or PROBE_EVERY) else 0
+        return PROBE_ROUNDS if due else 0
 
     def costs_for(self, load: int, sampled: bool) -> CostModel:
         """The costs of requests at this load, greedy or sampled (made empty if none yet)."""
