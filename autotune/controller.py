@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch, Coalescer
 from autotune.continuous import ContinuousBatch
-from autotune.counterfactual import CostModel, arm_rewards
+from autotune.counterfactual import CostModel, arm_rewards, draft_cost_owner
 from autotune.learning import SharedLearning
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from autotune.rewards import RewardModel, cost_key, is_sampled
@@ -246,6 +246,10 @@ class AutotuneController:
         for arm in self.policy.arms:
             if not arm.is_off:
                 self._ks.setdefault(arm.drafter, []).append(arm.k)
+        # drafter -> whose draft costs by K price its other Ks (a hybrid's inner drafter, where the arms
+        # have it, so that calibration and requests measure its costs)
+        self._draft_cost_owner = {drafter: owner if (owner := draft_cost_owner(engine, drafter)) in self._ks
+                                  else drafter for drafter in self._ks}
         self.compile_report = engine.warm_up(self._reachable_arms())  # compiled engines: every graph, up front
         self.classifier = classifier
         self.save_every = save_every
@@ -605,10 +609,14 @@ class AutotuneController:
         # The played drafter's other Ks from its acceptance per position: all a drafter the replay
         # cannot run (feature heads, layer skip) has to tell about them; left out while replaying,
         # each of its Ks was played once to be known, K=1 too, on a new controller's requests.
-        siblings = sibling_rewards(served, arm, reward, self._ks.get(arm.drafter, ()),
-                                   functools.partial(costs.draft_cost, arm.drafter),
-                                   functools.partial(costs.verify_cost, drafter=arm.drafter))
-        return siblings | replayed
+        return self._siblings(served, arm, reward, costs) | replayed
+
+    def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:
+        """The played drafter's other Ks, estimated from this request's rounds (`sibling_rewards`)."""
+        owner = self._draft_cost_owner.get(arm.drafter, arm.drafter)
+        return sibling_rewards(metrics, arm, reward, self._ks.get(arm.drafter, ()),
+                               functools.partial(costs.draft_cost, owner),
+                               functools.partial(costs.verify_cost, drafter=arm.drafter))
 
     def learn_segment(self, arm: Arm, context: Context, done: GenerationMetrics, committed: int, row_rounds: int,
                       fell_back: bool) -> None:
@@ -626,9 +634,7 @@ class AutotuneController:
             if reward is None:
                 return
             costs = self.rewards.costs_for(context.load, is_sampled(context))
-            siblings = sibling_rewards(done, arm, reward, self._ks.get(arm.drafter, ()),
-                                       functools.partial(costs.draft_cost, arm.drafter),
-                                       functools.partial(costs.verify_cost, drafter=arm.drafter))
+            siblings = self._siblings(done, arm, reward, costs)
             self._update(context, arm, Outcome(gain * row_rounds / taken if taken > 0 else 0.0, reward,
                                                done.acceptance, done.new_tokens, siblings))
 

@@ -477,6 +477,25 @@ def hybrid_parts(engine: SpeculativeEngine, name: str) -> tuple[str | None, str]
     return None if model is None else (lookup, model)
 
 
+def draft_cost_owner(engine: SpeculativeEngine, name: str) -> str:
+    """The engine's drafter whose draft rounds cost what drafter `name`'s cost as K changes: for a
+    lookup chained before an inner drafter, the drafter that is that inner one or runs its model
+    (lookup rounds cost next to nothing at any K, so the hybrid's own cost per round is the share
+    of its rounds that the inner drafter drafted, which depends on the text: calibrated on
+    copy-heavy code it priced a hybrid's K = 8 round below its K = 6 one); else `name`."""
+    drafter = engine.drafters.get(name)
+    inner = getattr(drafter, "inner", None)
+    if lookup_of(drafter) is None or inner is None:
+        return name
+    model = model_drafter_of(inner)
+    for other, candidate in engine.drafters.items():
+        if other != name and lookup_of(candidate) is None and (
+                candidate is inner or (model is not None and getattr(model_drafter_of(candidate), "model", None)
+                                       is model.model)):
+            return other
+    return name
+
+
 def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int], max_new_tokens: int,
                sampling: SamplingParams | None = None) -> list[int]:
     """Tokens drafted per round had `arm` served this request (one entry per round; expected if sampled)."""

@@ -45,27 +45,35 @@ def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int],
                     extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
     """Estimated rewards of (same drafter, other K) from one request run at constant K.
 
-    Per round, K drafts yield 1 + sum_{i<K} S_i tokens, S_i being the share of rounds whose
-    first i+1 drafts were all accepted (measured per position), at the cost of a K-token draft
-    round plus one verify. For K' < K every S_i is measured; for K' > K the last conditional
-    acceptance is extended geometrically, so those estimates get less weight. `round_cost(k)`
-    (the cost model's seconds of a k-token round) says how draft cost grows with K, and
-    `verify_cost(tokens)` (its seconds of a verify of that many tokens after this drafter) how
-    the verify grows, both scaled to this request's own rounds; without them, K steps at this
-    request's mean step cost and a verify that costs the same at every K. A verify of 9 tokens
-    costs about 1.3x one of 5 on the demo family, and priced alike, every request at K=4 told
-    the policy K=8 was faster than measurement said.
+    Per round, K drafts yield 1 + sum_{i<K} S_i tokens, S_i being the drafts kept at position i
+    per round (measured per position), at the cost of a K-token draft round plus one verify. For
+    K' < K every S_i is measured; for K' > K the last one's fall is extended geometrically, so
+    those estimates get less weight. S_i counts every round, drafted that far or not: a lookup
+    that found a short match (or none) drafts fewer than K, and over the rounds that drafted
+    position i only, a hybrid's deep positions looked kept as often as its first ones and every
+    K=8 request priced the hybrid's smaller Ks 0.81-0.85x the speedups measured.
+
+    `round_cost(k)` (the cost model's seconds of a k-token draft round, of the drafter whose rounds
+    cost what K makes them: a hybrid's inner one, its lookups cost next to nothing at any K) says
+    how draft cost grows with K, and `verify_cost(tokens)` (its seconds of a verify of that many
+    tokens after this drafter) how the verify grows, both scaled to this request's own rounds;
+    without them, K steps at this request's mean step cost and a verify that costs the same at
+    every K. A verify of 9 tokens costs about 1.3x one of 5 on the demo family, and priced alike,
+    every request at K=4 told the policy K=8 was faster than measurement said.
     """
     if arm.is_off or not metrics.draft_steps or not metrics.rounds:
         return {}
-    survival = metrics.acceptance_per_position[: arm.k]
+    # A request's rounds; a batch's counters add up its rows' drafts, over at least as many row-rounds
+    # as rows drafted a first token.
+    row_rounds = max(metrics.rounds, metrics.drafted_per_position[0] if metrics.drafted_per_position else 0)
+    survival = [kept / row_rounds for kept in metrics.accepted_per_position[: arm.k]]
     if len(survival) < arm.k or not survival[0]:
         return {}
     step = survival[-1] / survival[-2] if len(survival) > 1 and survival[-2] > 0 else survival[0]
     needed = {arm.k, *ks}
-    if round_cost is not None and metrics.draft_rounds and (here_cost := round_cost(arm.k)):
-        scale = metrics.draft_s / metrics.draft_rounds / here_cost
-        draft_cost = {k: scale * (round_cost(k) or 0.0) for k in needed}
+    draft_per_round = metrics.draft_s / metrics.rounds
+    if round_cost is not None and (here_cost := round_cost(arm.k)):
+        draft_cost = {k: draft_per_round * (round_cost(k) or 0.0) / here_cost for k in needed}
     else:
         draft_cost = {k: k * metrics.draft_s / metrics.draft_steps for k in needed}
     verify_per_round = {k: metrics.verify_s / metrics.rounds for k in needed}

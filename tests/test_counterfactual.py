@@ -12,6 +12,7 @@ from autotune.counterfactual import (
     CostModel,
     arm_rewards,
     batch_rounds,
+    draft_cost_owner,
     replay_arm,
     target_probabilities,
 )
@@ -40,6 +41,18 @@ def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine, sam
             rounds = replay_arm(engine, arm, prompt, output, max_new, sampling)
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), (i, arm)
             assert sum(k > 0 for k in rounds) == served.draft_rounds, (i, arm)
+
+
+def test_a_hybrids_other_ks_are_priced_by_its_inner_drafters_costs(engine, draft_model):
+    # The hybrid's own cost per round is the share of its rounds its model drafted (lookups cost
+    # next to nothing), a property of the text; how a round's cost grows with K is its model's.
+    assert draft_cost_owner(engine, "hybrid") == "small"  # a drafter of its own running the same model
+    assert draft_cost_owner(engine, "small") == "small" and draft_cost_owner(engine, "ngram") == "ngram"
+    inner = engine.drafters["small"]
+    alone = SpeculativeEngine(engine.target, {"hybrid": HybridDrafter(inner), "it": inner})
+    assert draft_cost_owner(alone, "hybrid") == "it"  # the very drafter (a feature head is shared so)
+    assert draft_cost_owner(SpeculativeEngine(engine.target, {"hybrid": HybridDrafter(draft_model)}),
+                            "hybrid") == "hybrid"  # no other drafter runs its model: its own costs
 
 
 def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):

@@ -91,6 +91,21 @@ def test_a_key_where_speculation_loses_spends_little_finding_out(name):
     assert mean[None] <= 0.90  # unconstrained exploration: 0.86
 
 
+def test_sibling_estimates_count_rounds_that_drafted_short_as_keeping_nothing_further():
+    from autotune.metrics import sibling_rewards
+    from engine import GenerationMetrics
+
+    # A hybrid at K=4, 100 rounds: 50 by its model (kept 40, 30, 20, 10 at positions 1-4) and 50
+    # lookups of a 2-token match, both kept. Per round: 3.0 tokens at K=4, 2.7 at K=2. Per drafted
+    # position the deep ones (20 of 50, 10 of 50) look kept as often as in the model's rounds,
+    # which makes K=4 look 3.3 tokens a round and K=2 worse than it is.
+    m = GenerationMetrics(new_tokens=301, rounds=100, drafted=300, accepted=200, draft_steps=300, draft_s=0.3,
+                          verify_s=1.0, drafted_per_position=[100, 100, 50, 50], accepted_per_position=[90, 80, 20, 10])
+    est = sibling_rewards(m, Arm("hybrid", 4), 2.0, ks=[2, 4])
+    step = 0.3 / 300  # a draft step, as this request measured it
+    assert est["hybrid:2"][0] == pytest.approx(2.0 * (2.7 / (2 * step + 0.01)) / (3.0 / (4 * step + 0.01)))
+
+
 @pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
 def test_resumes_from_saved_state_without_re_exploring(name):
     policy = make_policy(name, ARMS)
