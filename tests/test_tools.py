@@ -273,17 +273,23 @@ def test_bench_replay_scores_every_arm_of_every_class(small_store, classes):
     assert 0 <= result["mean_abs_error"] <= result["max_abs_error"]
 
 
-def test_bench_rewards_prices_each_arms_requests_by_calibration_and_by_learned_costs(small_store, classes):
+def test_bench_rewards_prices_each_arms_requests_by_calibration_and_by_learned_costs(target, draft_model, classes):
     from autotune.bench import bench_reward_scale
 
-    engine, _ = small_store
-    result = bench_reward_scale(engine, classes, [Arm("small", 3), Arm("ngram", 2)], prompts_per_class=2,
-                                progress=lambda *_: None)
-    assert set(result["arms"]) == {"small:3", "ngram:2"} and set(result["kinds"]) == {"model", "n-gram"}
+    # "self" drafts with the target itself: every draft kept, so each of its Ks estimates the other.
+    engine = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter(), "self": target})
+    arms = [Arm("small", 3), Arm("ngram", 2), Arm("self", 2), Arm("self", 3)]
+    result = bench_reward_scale(engine, classes, arms, prompts_per_class=2, progress=lambda *_: None)
+    assert set(result["arms"]) == {"small:3", "ngram:2", "self:2", "self:3"}
+    assert set(result["kinds"]) == {"model", "n-gram"}
     for row in [*result["arms"].values(), *result["kinds"].values()]:
-        assert row["requests"] == 4  # 2 classes x 2 prompts, each served OFF, on the arm and with OFF rounds
+        assert row["requests"] == 4 * (3 if row is result["kinds"]["model"] else 1)  # 2 classes x 2 prompts
         assert row["speedup_measured"] > 0
         assert row["calibration_over_measured"] > 0 and row["learned_over_measured"] > 0
+    siblings = result["siblings"]
+    assert set(siblings["arms"]) == {"self:2", "self:3"} and set(siblings["kinds"]) == {"model"}
+    for row in siblings["arms"].values():
+        assert row["requests"] == 4 and 0.3 < row["estimated_over_measured"] < 3.0
 
 
 def test_hindsight_picks_the_static_arm_by_time_and_prices_the_oracles_gain():
