@@ -129,7 +129,8 @@ def assert_decisions_see_the_other_keys_as_they_are(policy, contexts):
                 assert view.rows[arm] == table.rows[arm]
                 continue
             mean = sum(t.rows[arm][1] for t in others) / n
-            weight = policy.share_weight ** 2 / (policy.share_weight + table.n(arm))
+            share = min(policy.share_weight, n)  # never more than the others' own evidence
+            weight = share ** 2 / (share + table.n(arm))
             variance = sum(t.pooled_variance() for t in others) / len(others)
             assert view.rows[arm][0] == pytest.approx(table.rows[arm][0] + weight)
             assert view.rows[arm][1] == pytest.approx(table.rows[arm][1] + weight * mean)
@@ -153,6 +154,16 @@ def test_a_decision_sees_the_other_keys_at_its_load_as_they_are_now():
             policy.load_state_dict(saved)  # rewound to an older store
             assert_decisions_see_the_other_keys_as_they_are(policy, contexts[:7])
     assert_decisions_see_the_other_keys_as_they_are(policy, contexts)  # the last one is new here
+
+
+def test_a_new_class_takes_no_more_pseudo_observations_of_an_arm_than_the_other_classes_measured():
+    policy = make_policy("ucb", ARMS)
+    policy.update(Context("a"), Arm("small", 8), Outcome(100.0, 1.4))  # one request, then ten elsewhere
+    for _ in range(10):
+        policy.update(Context("a"), Arm("small", 2), Outcome(100.0, 1.2))
+    table = policy.table(Context("b"))
+    assert table.n("small:8") == pytest.approx(0.99 ** 10) and table.mean("small:8") == pytest.approx(1.4)
+    assert table.n("small:2") == pytest.approx(policy.prior_weight) and table.n("small:1") == 0.0
 
 
 @pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
@@ -196,10 +207,10 @@ def test_after_losses_a_key_plays_an_arm_confidently_faster_than_off_rather_than
         policy.update(key, Arm("ngram", 3), Outcome(goodput=60, reward=0.6, siblings={"small:2": (1.4, 0.5)}))
     assert policy.table(key).margin < 0
     assert [str(policy.choose(key)) for _ in range(5)] == ["small:2"] * 5
-    if name == "ucb":  # unconstrained, it would explore an untried arm first
+    if name == "ucb":  # unconstrained, it would explore an untried arm first: its drafter's middle untried K
         unconstrained = make_policy(name, ARMS, safety=None)
         unconstrained.load_state_dict(json.loads(json.dumps(policy.state_dict())))
-        assert str(unconstrained.choose(key)) == "small:1"
+        assert str(unconstrained.choose(key)) == "small:4"  # of small:1, 4, 8 (small:2 has an estimate)
 
 
 def trained_on_overlap():
