@@ -50,8 +50,9 @@ def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int],
     K' < K every S_i is measured; for K' > K the last one's fall is extended geometrically, so
     those estimates get less weight. S_i counts every round, drafted that far or not: a lookup
     that found a short match (or none) drafts fewer than K, and over the rounds that drafted
-    position i only, a hybrid's deep positions looked kept as often as its first ones and every
-    K=8 request priced the hybrid's smaller Ks 0.81-0.85x the speedups measured.
+    position i only, a hybrid's deep positions looked kept as often as its first ones: with its
+    draft rounds priced by its own cost per round too (`counterfactual.draft_cost_owner`), every
+    K=8 request priced the hybrid's smaller Ks 0.77-0.85x the speedups measured.
 
     `round_cost(k)` (the cost model's seconds of a k-token draft round, of the drafter whose rounds
     cost what K makes them: a hybrid's inner one, its lookups cost next to nothing at any K) says
