@@ -607,8 +607,9 @@ class AutotuneController:
         else:
             replayed = {}
         # The played drafter's other Ks from its acceptance per position: all a drafter the replay
-        # cannot run (feature heads, layer skip) has to tell about them; left out while replaying,
-        # each of its Ks was played once to be known, K=1 too, on a new controller's requests.
+        # cannot run (layer skip), or any drafter between replays, has to tell about them; left out
+        # while replaying, each of its Ks was played once to be known, K=1 too, on a new
+        # controller's requests.
         return self._siblings(served, arm, reward, costs) | replayed
 
     def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:

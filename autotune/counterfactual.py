@@ -4,9 +4,12 @@ Under greedy decoding a draft token is kept exactly when it equals the target's 
 and the output does not depend on the arm. So once a request is served, how many tokens any
 drafter would have had accepted from any position follows from the output alone: a model
 drafter's greedy prediction at every position comes from one teacher-forced forward over
-prompt + output (its drafts stay right exactly while those predictions match), and n-gram
-lookup is a scan. Replaying the decode loop over those run lengths gives each arm's rounds
-and drafted tokens; the measured costs (draft seconds per token per drafter, verify seconds
+prompt + output (its drafts stay right exactly while those predictions match), a feature
+head's from the target's features over the same sequence (one target forward) and its K steps
+from every position at once (`FeatureHead.chains`: a head's later drafts read its own
+predicted features, not the target's, so each step is its own), and n-gram lookup is a scan.
+Replaying the decode loop over those run lengths gives each arm's rounds and drafted tokens;
+the measured costs (draft seconds per token per drafter, verify seconds
 per round by step length) turn them into time. The result is a paired estimate of every
 arm's reward on the same request, so the bandit compares arms without the noise of
 comparing different prompts (per-request rewards spread by about +-30 % across prompts).
@@ -30,6 +33,7 @@ import torch
 
 from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.drafters import capabilities, lookup_of, model_drafter_of
+from engine.feature import FeatureDrafter
 from engine.sampling import adjust_logits, probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
@@ -399,6 +403,41 @@ def ngram_chains(drafter: NGramDrafter, sequence: list[int], start: int, k: int,
     return chains, proposed
 
 
+def target_features(model, sequence: list[int], memo: dict) -> torch.Tensor:
+    """The target's features [len(sequence), H] (its last hidden states, what it hands a feature
+    head while serving), from one forward over the sequence, kept in `memo`."""
+    if ("features", model) not in memo:
+        with torch.inference_mode():
+            out = model(torch.tensor([sequence], device=model.device), use_cache=False, output_hidden_states=True,
+                        logits_to_keep=1)
+        memo["features", model] = out.hidden_states[-1][0]
+    return memo["features", model]
+
+
+def feature_chains(drafter: FeatureDrafter, target_model, sequence: list[int], start: int, k: int,
+                   target: torch.Tensor | None, sampling: SamplingParams | None,
+                   memo: dict | None = None) -> list[list[float]] | None:
+    """For each position t >= start: the acceptance probability of each of k drafts of a feature
+    head's round from there (`FeatureDrafter.replay_logits`: greedy, exactly the head's rounds);
+    None where the request edits its logits (the head's drafts then see edits along their own
+    drafts, which this replay does not apply)."""
+    if sampling is not None and sampling.adjusts_logits:
+        return None
+    with torch.inference_mode():
+        logits = drafter.replay_logits(target_features(target_model, sequence, {} if memo is None else memo),
+                                       sequence, start, k)  # [k, R, V]: draft j of the round from start + r
+        rounds = logits.shape[1]
+        # [k, R]: draft j of the round from start + r drafts sequence[start + r + j]
+        offsets = torch.arange(rounds, device=logits.device)[None] + torch.arange(k, device=logits.device)[:, None]
+        if target is None:
+            following = torch.tensor(sequence + [-1] * k, device=logits.device)
+            accept = (logits.argmax(-1) == following[offsets + start]).float()
+        else:
+            accept = torch.minimum(target[offsets.clamp(max=rounds - 1)], probabilities(logits, sampling)).sum(-1)
+    accept = accept.tolist()
+    return [[accept[j][r] for j in range(min(k, rounds - r))] for r in range(rounds)]
+
+
 def expected_accepted(chain: list[float], k: int) -> float:
     """Drafts kept in a round of k drafts: each is kept only if every earlier one was."""
     kept, alive = 0.0, 1.0
@@ -440,41 +479,45 @@ def batch_rounds(per_row: list[list[int]]) -> list[int]:
 
 
 def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: torch.Tensor | None,
-                   sampling: SamplingParams | None, memo: dict | None = None
-                   ) -> tuple[list[list[float]], list[int] | None, list[bool] | None]:
+                   sampling: SamplingParams | None, memo: dict | None = None, target_model=None
+                   ) -> tuple[list[list[float]], list[int] | None, list[bool] | None] | None:
     """(chains, tokens proposed, drafted by lookup) from every position for a drafter made of a
-    lookup, a model drafter, or both (proposed None: always k; by lookup None: no model behind
-    its lookup). A drafter with both drafts by lookup wherever lookup proposes, else by its model.
-    `memo`: see `model_chains`."""
+    lookup, a model drafter or a feature head (drafting for `target_model`), or a lookup and one
+    of the others (proposed None: always k; by lookup None: no drafter behind its lookup); None
+    where it cannot be replayed. A drafter with both drafts by lookup wherever lookup proposes,
+    else by the other. `memo`: see `model_chains`."""
     lookup, model = lookup_of(drafter), model_drafter_of(drafter)
-    if model is None:
-        return (*ngram_chains(lookup, sequence, start, k, target), None)
+    head = drafter if lookup is None else getattr(drafter, "inner", None)
+    if model is not None:
+        inner = model_chains(model, sequence, start, k, target, sampling, memo)
+    elif isinstance(head, FeatureDrafter) and target_model is not None:
+        inner = feature_chains(head, target_model, sequence, start, k, target, sampling, memo)
+        if inner is None:
+            return None
+    else:
+        return (*ngram_chains(lookup, sequence, start, k, target), None) if lookup is not None else None
     if lookup is None:
-        return model_chains(model, sequence, start, k, target, sampling, memo), None, None
+        return inner, None, None
     looked_up, proposed = ngram_chains(lookup, sequence, start, k, target)
-    modelled = model_chains(model, sequence, start, k, target, sampling, memo)
-    return ([a if n else b for a, n, b in zip(looked_up, proposed, modelled)],
+    return ([a if n else b for a, n, b in zip(looked_up, proposed, inner)],
             [n or k for n in proposed], [n > 0 for n in proposed])
 
 
 def replayable(drafter) -> bool:
-    """The replay can estimate `drafter`: it declares so, and is made of a lookup or a model drafter."""
-    return capabilities(drafter).replay and (lookup_of(drafter) or model_drafter_of(drafter)) is not None
+    """The replay can estimate `drafter`: it declares so (lookups, model drafters, feature heads, chains of them)."""
+    return capabilities(drafter).replay
 
 
 def hybrid_parts(engine: SpeculativeEngine, name: str) -> tuple[str | None, str] | None:
-    """The engine's drafters that run what drafter `name` runs when it chains a model after a lookup:
-    (an n-gram drafter or None, the model drafter of the same model); None if `name` does not chain
-    or no drafter runs its model."""
-    drafter = engine.drafters.get(name)
-    if lookup_of(drafter) is None or model_drafter_of(drafter) is None:
+    """The engine's drafters that run what drafter `name` runs when it chains a lookup and another
+    drafter: (an n-gram drafter or None, the drafter that is its inner one or runs its model,
+    `draft_cost_owner`); None if `name` does not chain or no such drafter is in the engine."""
+    inner = draft_cost_owner(engine, name)
+    if inner == name:
         return None
-    own = model_drafter_of(drafter).model
-    model = next((n for n, d in engine.drafters.items()
-                  if lookup_of(d) is None and (m := model_drafter_of(d)) is not None and m.model is own), None)
-    lookup = next((n for n, d in engine.drafters.items() if lookup_of(d) is not None and model_drafter_of(d) is None),
-                  None)
-    return None if model is None else (lookup, model)
+    lookup = next((n for n, d in engine.drafters.items() if lookup_of(d) is not None and model_drafter_of(d) is None
+                   and getattr(d, "inner", None) is None), None)
+    return lookup, inner
 
 
 def draft_cost_owner(engine: SpeculativeEngine, name: str) -> str:
@@ -501,7 +544,8 @@ def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: l
     """Tokens drafted per round had `arm` served this request (one entry per round; expected if sampled)."""
     sequence, start = prompt + output, len(prompt) + 1
     target = None if sampling is None or sampling.greedy else target_probabilities(engine, sequence, start, sampling)
-    chains, proposed, _ = drafter_chains(engine.drafters[arm.drafter], sequence, start, arm.k, target, sampling)
+    chains, proposed, _ = drafter_chains(engine.drafters[arm.drafter], sequence, start, arm.k, target, sampling,
+                                         target_model=engine.target)
     return replay(chains, proposed, arm.k, max_new_tokens)
 
 
@@ -538,7 +582,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
 
     parts = {a.drafter: hybrid_parts(engine, a.drafter) for a in arms if not a.is_off}
     parts = {name: p for name, p in parts.items() if p is not None and draft_cost(p[1], 1) is not None
-             and len(requests) == 1}
+             and len(requests) == 1 and replayable(engine.drafters[name])}
 
     def priced(arm: Arm) -> bool:
         return arm.is_off or arm.drafter in parts or draft_cost(arm.drafter, arm.k) is not None
@@ -554,16 +598,17 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
                else None for sequence, start, sp in zip(sequences, starts, samplings)]
     memos = [{} for _ in sequences]  # per sequence: each model's acceptances, computed once
-    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp, memo)
+    chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp, memo, engine.target)
                           for sequence, start, target, sp, memo in zip(sequences, starts, targets, samplings, memos)]
                    for name, k in longest.items()}
+    chain_table = {name: rows for name, rows in chain_table.items() if all(row is not None for row in rows)}
     # In 1-token steps, as the played arm's reward prices them: never below one (the same few widths each round)
     verify_steps = functools.cache(costs.relative_verify_cost)  # (tokens, drafter)
     estimates = {}
     for arm in known:
         if arm.is_off:
             rounds, draft = [(0, None)] * off_rounds, 0.0  # (tokens drafted, by which drafter)
-        elif arm.drafter in parts:
+        elif arm.drafter in parts and arm.drafter in chain_table:
             (lookup, model), (chains, proposed, looked_up) = parts[arm.drafter], chain_table[arm.drafter][0]
             rounds = [(k, lookup if looked_up[j] else model) for j, k in replay_rounds(chains, proposed, arm.k,
                                                                                          requests[0][2])]

@@ -25,6 +25,7 @@ import threading
 
 from autotune.counterfactual import CostModel, hybrid_parts
 from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
+from engine.drafters import model_drafter_of
 from policies import LOAD_BUCKETS, Context, load_bucket
 
 logger = logging.getLogger(__name__)
@@ -242,8 +243,10 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     # Each drafter's run between two of OFF, every reward being scaled by OFF's step: the machine's
     # speed moves by a tenth or more within seconds, and a drafter's costs in OFF steps taken
     # against OFF runs before all of them varied by 15 % from one calibration to the next. A
-    # hybrid is replayed from its parts' costs.
-    drafters = [Arm(drafter, k) for drafter, drafter_ks in ks.items() if hybrid_parts(engine, drafter) is None
+    # hybrid of a model drafter is replayed from its parts' costs; one of a feature head is run too
+    # (it is rewarded, when played, by its own verifies' costs in OFF steps).
+    drafters = [Arm(drafter, k) for drafter, drafter_ks in ks.items()
+                if hybrid_parts(engine, drafter) is None or model_drafter_of(engine.drafters[drafter]) is None
                 for k in sorted({min(drafter_ks), max(drafter_ks)})]
     runs = [OFF]
     for arm in drafters:

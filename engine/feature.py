@@ -126,12 +126,10 @@ class FeatureHead(nn.Module):
         Without a cache the T positions attend causally among themselves (training); with one,
         they are written at their positions and attend to everything held from `cache.start`."""
         x = self.fuse(torch.cat([embeds, features], dim=-1))
-        x = x + self._attend(self.attention_norm(x), positions, cache)
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        x = x + self.down(F.silu(gate) * up)
-        return self.feature_norm(x)
+        return self._finish(x, self._attend(self.attention_norm(x), positions, cache))
 
-    def _attend(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
+    def _rotated_qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries, keys and values [B, heads, T, head_dim] of x [B, T, H] at `positions` [T]."""
         batch, length, _ = x.shape
         heads, head_dim = self.config.heads, self.config.head_dim
         qkv = self.qkv(x).view(batch, length, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
@@ -143,7 +141,51 @@ class FeatureHead(nn.Module):
             angles = torch.cat([angles, angles], -1)
             cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         qk = qkv[:2] * cos + rotate_half(qkv[:2]) * sin  # queries and keys rotated together: half the ops
-        q, k, v = qk[0], qk[1], qkv[2]
+        return qk[0], qk[1], qkv[2]
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: x [B, T, H] plus attended [B, heads, T, head_dim] projected, the MLP, the norm."""
+        x = x + self.out(attended.transpose(1, 2).reshape(x.shape))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return self.feature_norm(x + self.down(F.silu(gate) * up))
+
+    def chains(self, embeds: torch.Tensor, features: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
+        """The features [k, R, H] that each of k draft steps reads, for rounds starting after every
+        position in `starts` [R], from one pass over a whole sequence: `embeds` [L, H] of tokens
+        1..L (x_{p+1}, the pair's token) and `features` [L, H] of positions 0..L-1 (the target's).
+
+        Round r's last committed position is starts[r]: its first step reads the head's output
+        at starts[r] - 1 (real pairs up to there), step j its own step j - 1 output, fed with the
+        token that followed in the sequence (a kept draft is that token) at position starts[r] +
+        j - 1, attending to the real pairs up to starts[r] - 1 and to its own earlier steps, as
+        `FeatureDrafter.propose` does one round at a time. What the replay needs: greedy, a
+        draft is kept exactly while it equals the token that followed."""
+        length = features.shape[0]
+        positions = torch.arange(length, device=features.device)
+        x = self.fuse(torch.cat([embeds, features], dim=-1))[None]
+        q, keys, values = self._rotated_qkv(self.attention_norm(x), positions)
+        real = self._finish(x, F.scaled_dot_product_attention(q, keys, values, is_causal=True))[0]  # [L, H]
+        scale = self.config.head_dim ** -0.5
+        sees = positions[None] < starts[:, None]  # [R, L]: the real pairs before each round's last position
+        own_keys, own_values = [], []  # per step: [1, heads, R, head_dim]
+        out = [real[starts - 1]]
+        for step in range(1, k):
+            at = (starts + step - 1).clamp(max=length - 1)
+            x = self.fuse(torch.cat([embeds[at], out[-1]], dim=-1))[None]
+            q, key, value = self._rotated_qkv(self.attention_norm(x), starts + step - 1)
+            own_keys.append(key)
+            own_values.append(value)
+            scores = torch.einsum("bhrd,bhld->bhrl", q, keys).masked_fill(~sees, float("-inf"))
+            own = torch.einsum("bhrd,sbhrd->bhrs", q, torch.stack(own_keys))
+            weights = torch.softmax(torch.cat([scores, own], -1) * scale, dim=-1)
+            attended = (torch.einsum("bhrl,bhld->bhrd", weights[..., :length], values)
+                        + torch.einsum("bhrs,sbhrd->bhrd", weights[..., length:], torch.stack(own_values)))
+            out.append(self._finish(x, attended)[0])
+        return torch.stack(out)
+
+    def _attend(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
+        length = x.shape[1]
+        q, k, v = self._rotated_qkv(x, positions)
         if cache is None:
             attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif torch.compiler.is_compiling():  # a fixed cache in a graph: no shape may depend on the position
@@ -163,7 +205,7 @@ class FeatureHead(nn.Module):
                 held = end - cache.start
                 mask = torch.ones(length, held, dtype=torch.bool, device=x.device).tril(held - length)
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.out(attended.transpose(1, 2).reshape(batch, length, -1))
+        return attended
 
     def save(self, folder: Path, report: dict | None = None) -> None:
         folder = Path(folder)
@@ -200,7 +242,7 @@ class FeatureDrafter:
     target's); a longer request, and a sampled or penalised one (whose draws and logit edits
     happen on the host), drafts step by step."""
 
-    capabilities = Capabilities(features=True)
+    capabilities = Capabilities(features=True, replay=True)
     model_drafter = None
     lookup = None
     tokenizer = None
@@ -340,6 +382,15 @@ class FeatureDrafter:
                 feature = self.head(self._embed(token.view(1, 1)), feature.view(1, 1, -1), position,
                                     self._cache)[0, -1]
         return torch.stack(drafts)
+
+    def replay_logits(self, features: torch.Tensor, sequence: list[int], start: int, k: int) -> torch.Tensor:
+        """Logits [k, R, V] of the k drafts of each round that would draft sequence[t] first, for t
+        = start..len(sequence) - 1, every earlier draft of a round taken as the token that followed
+        (`FeatureHead.chains`); `features` [len(sequence), H]: the target's over the sequence."""
+        device = features.device
+        starts = torch.arange(start - 1, len(sequence) - 1, device=device)  # each round's last committed position
+        embeds = self._embed(torch.tensor(sequence[1:], device=device))
+        return self._lm_head(self.head.chains(embeds, features[:-1], starts, k))
 
     def warm_up(self, ks: list[int]) -> None:
         """Compile the round of every K in `ks` before serving (a compiled drafter's)."""
