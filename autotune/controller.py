@@ -51,6 +51,7 @@ from engine import (
     SpeculativeEngine,
     Streamer,
 )
+from engine.drafters import capabilities
 from engine.streaming import Cancellable, EndsOnce, end_stream
 from policies import Context, Outcome, Policy, PolicyError, make_policy
 
@@ -190,7 +191,11 @@ class AutotuneController:
       requests score every other arm by replay; after that replays run only while they stay
       within `counterfactual_budget` of the key's serving time (a 16-row burst: 150 ms greedy,
       570 ms sampled, against 0.6-1.0 s to serve it OFF on the demo family). The policy weighs
-      a replayed estimate at `counterfactual_weight` of a measured reward.
+      a replayed estimate at `counterfactual_weight` of a measured reward. `replay_features`:
+      replay feature heads and their hybrids too (exact when greedy, but each replay runs the
+      target over the whole sequence for its features: 57-64 ms on a 678-token request of the
+      demo family, and with it the many-classes bench spent 4.5-5.9 % of its time learning
+      against 1.2-2.2 % and ran 2-3 % slower); without it they are learned when played.
     - `max_batch` > 1: single requests waiting at the same moment are served as one batch (at
       most `batch_wait_ms` of waiting for the rest), of any classes (keyed MIXED_CLASS when they
       differ) unless `mix_classes=False`.
@@ -221,6 +226,7 @@ class AutotuneController:
         counterfactual_requests: int = 1,
         counterfactual_budget: float = 0.01,
         counterfactual_weight: float = 0.5,
+        replay_features: bool = False,
         max_batch: int = 1,
         batch_wait_ms: float = 2.0,
         mix_classes: bool = True,
@@ -257,6 +263,7 @@ class AutotuneController:
         self.counterfactual_requests = counterfactual_requests
         self.counterfactual_budget = counterfactual_budget
         self.counterfactual_weight = counterfactual_weight
+        self.replay_features = replay_features
         self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
         self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning, last replay s
         self.gpu = GpuMonitor()
@@ -590,7 +597,8 @@ class AutotuneController:
             replay = learning or share[1] + share[2] <= self.counterfactual_budget * share[0]
             if replay:  # other threads' requests go on adding to the costs while this one replays
                 costs = copy.deepcopy(costs)
-                worth = self.policy.worth_replaying(context)
+                worth = [a for a in self.policy.worth_replaying(context) if self.replay_features or a.is_off
+                         or not capabilities(self.engine.drafters[a.drafter]).features]
         if replay and off_step is not None:
             served_requests = [(r.ids, result.tokens, r.max_new_tokens) for r, result in zip(requests, results)]
             started = time.perf_counter()
@@ -607,7 +615,8 @@ class AutotuneController:
         else:
             replayed = {}
         # The played drafter's other Ks from its acceptance per position: all a drafter the replay
-        # cannot run (layer skip), or any drafter between replays, has to tell about them; left out
+        # cannot run (layer skip; feature heads unless `replay_features`), or any drafter between
+        # replays, has to tell about them; left out
         # while replaying, each of its Ks was played once to be known, K=1 too, on a new
         # controller's requests.
         return self._siblings(served, arm, reward, costs) | replayed

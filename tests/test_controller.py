@@ -224,6 +224,20 @@ def test_a_drafter_the_replay_cannot_run_still_prices_its_other_ks_while_the_oth
     assert {"opaque:1", "opaque:2"} <= set(told)  # from its acceptance per position
 
 
+def test_feature_heads_are_replayed_only_when_asked(target):
+    """Their replay runs the target over the whole sequence: off by default (its cost outweighed
+    what it taught on the many-classes bench)."""
+    from conftest import feature_head
+
+    engine = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": feature_head(target)})
+    arms = [OFF, Arm("ngram", 2), Arm("feature", 2)]
+    for asked in (False, True):
+        policy = Plays(arms, Arm("ngram", 2))
+        ctl = AutotuneController(engine, policy=policy, min_baseline_steps=4, replay_features=asked)
+        ctl.generate(PROMPTS[0], "code", max_new_tokens=24)
+        assert "off" in policy.told[0] and ("feature:2" in policy.told[0]) == asked
+
+
 @pytest.mark.parametrize("budget, expected", [
     (0.0, [True, True, True, False, False, False, False]),  # none after learning: each is charged first
     (1e9, [True] * 7),  # a budget that never runs out
