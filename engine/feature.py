@@ -151,8 +151,8 @@ class FeatureHead(nn.Module):
 
     def chains(self, embeds: torch.Tensor, features: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
         """The features [k, R, H] that each of k draft steps reads, for rounds starting after every
-        position in `starts` [R], from one pass over a whole sequence: `embeds` [L, H] of tokens
-        1..L (x_{p+1}, the pair's token) and `features` [L, H] of positions 0..L-1 (the target's).
+        position in `starts` [R], from one pass over the L pairs of a sequence of L + 1 tokens:
+        `embeds` [L, H] of x_1..x_L (each pair's token) and `features` [L, H], the target's f_0..f_{L-1}.
 
         Round r's last committed position is starts[r]: its first step reads the head's output
         at starts[r] - 1 (real pairs up to there), step j its own step j - 1 output, fed with the
