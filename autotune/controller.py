@@ -616,9 +616,8 @@ class AutotuneController:
             replayed = {}
         # The played drafter's other Ks from its acceptance per position: all a drafter the replay
         # cannot run (layer skip; feature heads unless `replay_features`), or any drafter between
-        # replays, has to tell about them; left out
-        # while replaying, each of its Ks was played once to be known, K=1 too, on a new
-        # controller's requests.
+        # replays, has to tell about them; left out while replaying, each of its Ks was played
+        # once to be known, K=1 too, on a new controller's requests.
         return self._siblings(served, arm, reward, costs) | replayed
 
     def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:

@@ -229,14 +229,15 @@ class BanditPolicy(Policy):
         sure of it as of arms measured dozens of times, and ucb never played it again although it
         was the fastest arm.
         """
-        others, variance = self._load_totals(_load_of(context.key)).without(table)
+        totals = self._load_totals(_load_of(context.key))
+        others, variance = totals.without(table)
         means = self._shared_means(context, others)
         if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)
         view.counts = table.counts
         variance = table.pooled_variance() if variance is None else variance
-        evidence = self._load_totals(_load_of(context.key)).evidence_without(table)
+        evidence = totals.evidence_without(table)
         for arm, mean in means.items():
             share = min(self.share_weight, evidence.get(arm, self.share_weight))
             if share <= 0:
@@ -376,7 +377,6 @@ class UCBPolicy(BanditPolicy):
             return table.mean(arm) + self.exploration * sd * math.sqrt(log_term / table.n(arm))
 
         return max(self.arm_names, key=score)
-
 
     def _first_try(self, untried: list[str]) -> str:
         """The next untried arm: the first untried drafter at its middle untried K. Its request
