@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch, Coalescer
 from autotune.continuous import ContinuousBatch
-from autotune.counterfactual import CostModel, arm_rewards, draft_cost_owner
+from autotune.counterfactual import CostModel, arm_rewards, draft_cost_owner, served_features, verify_owners
 from autotune.learning import SharedLearning
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from autotune.rewards import RewardModel, cost_key, is_sampled
@@ -52,6 +52,7 @@ from engine import (
     Streamer,
 )
 from engine.drafters import capabilities
+from engine.feature import Features
 from engine.streaming import Cancellable, EndsOnce, end_stream
 from policies import Context, Outcome, Policy, PolicyError, make_policy
 
@@ -192,10 +193,12 @@ class AutotuneController:
       within `counterfactual_budget` of the key's serving time (a 16-row burst: 150 ms greedy,
       570 ms sampled, against 0.6-1.0 s to serve it OFF on the demo family). The policy weighs
       a replayed estimate at `counterfactual_weight` of a measured reward. `replay_features`:
-      replay feature heads and their hybrids too (exact when greedy, but each replay runs the
-      target over the whole sequence for its features: 57-64 ms on a 678-token request of the
-      demo family, and with it the many-classes bench spent 4.5-5.9 % of its time learning
-      against 1.2-2.2 % and ran 2-3 % slower); without it they are learned when played.
+      replay feature heads and their hybrids too (exact when greedy): from the target's features
+      a head was handed serving the request, else by running the target over the whole
+      sequence (57-64 ms on a 678-token request of the demo family). Either costs more than it
+      teaches so far: the head's K steps from every position take 12-23 ms on the demo family's
+      64-token requests (a model drafter's replay 3-5 ms), and the many-classes bench ran 1-3 %
+      slower with it; without it they are learned when played.
     - `max_batch` > 1: single requests waiting at the same moment are served as one batch (at
       most `batch_wait_ms` of waiting for the rest), of any classes (keyed MIXED_CLASS when they
       differ) unless `mix_classes=False`.
@@ -259,7 +262,8 @@ class AutotuneController:
         self.compile_report = engine.warm_up(self._reachable_arms())  # compiled engines: every graph, up front
         self.classifier = classifier
         self.save_every = save_every
-        self.rewards = RewardModel(min_baseline_steps=min_baseline_steps, remeasure_off_every=remeasure_off_every)
+        self.rewards = RewardModel(min_baseline_steps=min_baseline_steps, remeasure_off_every=remeasure_off_every,
+                                   verify_owners=verify_owners(engine))
         self.counterfactual_requests = counterfactual_requests
         self.counterfactual_budget = counterfactual_budget
         self.counterfactual_weight = counterfactual_weight
@@ -485,11 +489,14 @@ class AutotuneController:
                 results = [self.engine.generate(one.ids, arm, one.max_new_tokens, one.sampling, schedule,
                                                 one.streamer, pause, probes)]
                 served = results[0].metrics
+                # a replay of feature heads reads them rather than running the target again
+                features = None if arm.is_off else served_features(self.engine.drafters[arm.drafter])
             else:
                 together = self.engine.generate_batch([r.ids for r in requests], arm,
                                                       [r.max_new_tokens for r in requests],
                                                       [r.sampling for r in requests], [r.streamer for r in requests])
                 results, served = together.results, together.metrics
+                features = None
         with self.policy_lock:  # other threads' requests add to these costs
             costs = self.rewards.costs_for(load, any(not r.sampling.greedy for r in requests))
             # Draft costs per K only from a request that kept its K and its drafter throughout.
@@ -500,7 +507,7 @@ class AutotuneController:
             # part of the output would score model drafters low. The batch's segments are learned.
             return ContinuousBatch(self, batch, (results[0].rest, engine_started)).serve()
         learn_started = time.perf_counter()
-        estimates = self._learn(context, arm, reward, schedule, requests, results, served, costs)
+        estimates = self._learn(context, arm, reward, schedule, requests, results, served, costs, features)
         learn_s = time.perf_counter() - learn_started  # replays, the update and a save that came due
         out = []
         for request, result in zip(requests, results):
@@ -567,17 +574,19 @@ class AutotuneController:
 
     # ----- learning ------------------------------------------------------------------------
     def _learn(self, context: Context, arm: Arm, reward: float, schedule, requests: list[PendingRequest],
-               results: list[GenerationResult], served: GenerationMetrics, costs: CostModel) -> dict[str, float]:
+               results: list[GenerationResult], served: GenerationMetrics, costs: CostModel,
+               features: Features | None = None) -> dict[str, float]:
         """Teach the policy this request's (or batch's) reward, with the estimated rewards of the
-        arms not played; those estimates."""
-        others = self._other_arms(context, arm, reward, schedule, requests, results, served, costs)
+        arms not played; those estimates. `features`: what a feature head was handed serving it."""
+        others = self._other_arms(context, arm, reward, schedule, requests, results, served, costs, features)
         with self.policy_lock:
             self._update(context, arm,
                          Outcome(served.tokens_per_s, reward, served.acceptance, served.new_tokens, others))
         return {name: estimate for name, (estimate, _) in others.items()}
 
     def _other_arms(self, context: Context, arm: Arm, reward: float, schedule, requests: list[PendingRequest],
-                    results: list[GenerationResult], served: GenerationMetrics, costs: CostModel) -> dict:
+                    results: list[GenerationResult], served: GenerationMetrics, costs: CostModel,
+                    features: Features | None) -> dict:
         """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
         if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
             return {}
@@ -605,7 +614,7 @@ class AutotuneController:
             with self.engine_lock:
                 estimates = arm_rewards(self.engine, worth, costs, served_requests,
                                         served.prefill_s - served.draft_prefill_s, off_step,
-                                        [r.sampling for r in requests])
+                                        [r.sampling for r in requests], features)
             with self.policy_lock:
                 share[2] = time.perf_counter() - started
                 if not learning:

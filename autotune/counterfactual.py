@@ -5,7 +5,8 @@ and the output does not depend on the arm. So once a request is served, how many
 drafter would have had accepted from any position follows from the output alone: a model
 drafter's greedy prediction at every position comes from one teacher-forced forward over
 prompt + output (its drafts stay right exactly while those predictions match), a feature
-head's from the target's features over the same sequence (one target forward) and its K steps
+head's from the target's features over the same sequence (those handed to a head while the
+request was served, where one served it; else one target forward) and its K steps
 from every position at once (`FeatureHead.chains`: a head's later drafts read its own
 predicted features, not the target's, so each step is its own), and n-gram lookup is a scan.
 Replaying the decode loop over those run lengths gives each arm's rounds and drafted tokens;
@@ -33,13 +34,14 @@ import torch
 
 from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.drafters import capabilities, lookup_of, model_drafter_of
-from engine.feature import FeatureDrafter
+from engine.feature import FeatureDrafter, Features
 from engine.sampling import adjust_logits, probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
 
 
 OFF_ROUNDS = "off"  # who drafted a verify's tokens when no one did
+NO_MODEL = "(no model)"  # whose verifies price those of every drafter that runs no model (`verify_owners`)
 WINDOW = 32  # requests each cost is the median of: a burst shorter than half of them moves no estimate
 # A request's figure counts its rounds up to this many: one round's time says less than ten's, but
 # past a few dozen a figure is as precise as the moment it was taken, and a long request must not
@@ -94,8 +96,9 @@ class CostModel:
     stands in.
     """
 
-    def __init__(self, window: int = WINDOW) -> None:
+    def __init__(self, window: int = WINDOW, verify_owners: dict[str, str] | None = None) -> None:
         self.window = window
+        self.verify_owners = verify_owners or {}  # drafter -> whose verify costs price its (`verify_owners`)
         # drafter -> K -> [[s per round, rounds, steps per round]], a request each
         self.draft: dict[str, dict[int, list[list[float]]]] = {}
         # who drafted (OFF_ROUNDS: no one) -> tokens per verify -> [[s per round, rounds]], a request each
@@ -132,7 +135,7 @@ class CostModel:
         # one after a lookup does not. Priced alike, a 1-token verify among drafting rounds made
         # every wider verify look cheap and rewards 22 % too high, and a hybrid's verifies after
         # lookups made a model drafter's look cheap (its rewards 11 % too high).
-        table = self.verify.setdefault(arm.drafter if metrics.drafted else OFF_ROUNDS, {})
+        table = self.verify.setdefault(self._verifier(arm.drafter) if metrics.drafted else OFF_ROUNDS, {})
         for width, (seconds, rounds) in metrics.verify_by_width.items():  # as fed: n-gram rounds vary
             if rounds and not (width == 1 and metrics.drafted):
                 self._add(table.setdefault(width, []), [seconds / rounds, rounds])
@@ -164,7 +167,7 @@ class CostModel:
             self._add(self.relative_draft.setdefault(arm.drafter, {}).setdefault(arm.k, []),
                       [metrics.draft_s / metrics.draft_rounds / off_step, metrics.draft_rounds,
                        metrics.draft_steps / metrics.draft_rounds])
-        table = self.relative_verify.setdefault(arm.drafter, {})
+        table = self.relative_verify.setdefault(self._verifier(arm.drafter), {})
         for width, (seconds, rounds) in metrics.verify_by_width.items():
             if rounds and width > 1:
                 self._add(table.setdefault(width, []), [seconds / rounds / off_step, rounds])
@@ -185,11 +188,11 @@ class CostModel:
                 "relative_verify": self.relative_verify, "probed": self.probed}
 
     @classmethod
-    def from_state(cls, state: dict) -> CostModel:
+    def from_state(cls, state: dict, verify_owners: dict[str, str] | None = None) -> CostModel:
         """The inverse of `state_dict` after a JSON round trip (which turns K and widths into
         strings). A state saved as discounted sums (before costs were medians) starts each cost
         from one observation, its mean."""
-        costs = cls(int(state.get("window", WINDOW)))
+        costs = cls(int(state.get("window", WINDOW)), verify_owners)
         if "window" not in state:
             costs.draft = {d: {int(k): [[s / n, n, steps / n]] for k, (s, n, steps) in rows.items() if n > 0}
                            for d, rows in state["draft"].items()}
@@ -210,6 +213,11 @@ class CostModel:
         costs.relative_verify = {who: {int(w): [list(o) for o in obs] for w, obs in table.items()}
                                  for who, table in state.get("relative_verify", {}).items()}
         costs.probed = {d: [int(n) for n in counts] for d, counts in state.get("probed", {}).items()}
+        for tables in (costs.verify, costs.relative_verify):  # a store from before drafters shared tables
+            for who in [who for who in tables if costs._verifier(who) != who]:
+                merged = tables.setdefault(costs._verifier(who), {})
+                for width, observations in tables.pop(who).items():
+                    merged.setdefault(width, []).extend(observations)
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:
@@ -248,7 +256,7 @@ class CostModel:
         if one is None:
             return None
         if self.relative_verify:
-            return max(1.0, 1.0 if tokens == 1 else _verify_line(self.relative_verify, tokens, drafter))
+            return max(1.0, 1.0 if tokens == 1 else _verify_line(self.relative_verify, tokens, self._verifier(drafter)))
         cost = self.verify_cost(tokens, drafter)
         return None if cost is None else max(1.0, cost / one)
 
@@ -287,7 +295,11 @@ class CostModel:
         """Seconds of a verify of `tokens` after `drafter`'s drafts (None: OFF's, or any drafter's):
         measured after that drafter's, else after any drafter's, else a least-squares line through
         those measured (`_verify_line`)."""
-        return _verify_line(self.verify, tokens, drafter if drafter is not None else OFF_ROUNDS)
+        return _verify_line(self.verify, tokens, self._verifier(drafter) if drafter is not None else OFF_ROUNDS)
+
+    def _verifier(self, drafter: str | None) -> str | None:
+        """Whose verify costs price `drafter`'s."""
+        return self.verify_owners.get(drafter, drafter)
 
 
 def _draft_line(rows: dict[int, list[list[float]]], k: int) -> float | None:
@@ -403,15 +415,16 @@ def ngram_chains(drafter: NGramDrafter, sequence: list[int], start: int, k: int,
     return chains, proposed
 
 
-def target_features(model, sequence: list[int], memo: dict) -> torch.Tensor:
-    """The target's features [len(sequence), H] (its last hidden states, what it hands a feature
-    head while serving), from one forward over the sequence, kept in `memo`."""
-    if ("features", model) not in memo:
+def target_features(model, sequence: list[int], memo: dict) -> Features:
+    """The target's features over the sequence (its last hidden states, what it hands a feature
+    head while serving): those the request served handed over where `memo` holds them (under
+    "features"), else from one forward over the sequence, kept in `memo`."""
+    if "features" not in memo:
         with torch.inference_mode():
             out = model(torch.tensor([sequence], device=model.device), use_cache=False, output_hidden_states=True,
                         logits_to_keep=1)
-        memo["features", model] = out.hidden_states[-1][0]
-    return memo["features", model]
+        memo["features"] = Features(0, out.hidden_states[-1][0])
+    return memo["features"]
 
 
 def feature_chains(drafter: FeatureDrafter, target_model, sequence: list[int], start: int, k: int,
@@ -423,19 +436,22 @@ def feature_chains(drafter: FeatureDrafter, target_model, sequence: list[int], s
     drafts, which this replay does not apply)."""
     if sampling is not None and sampling.adjusts_logits:
         return None
+    memo = {} if memo is None else memo
+    if ("head", drafter, k) in memo:  # a hybrid drafting with the same head
+        return memo["head", drafter, k]
     with torch.inference_mode():
-        logits = drafter.replay_logits(target_features(target_model, sequence, {} if memo is None else memo),
-                                       sequence, start, k)  # [k, R, V]: draft j of the round from start + r
-        rounds = logits.shape[1]
-        # [k, R]: draft j of the round from start + r drafts sequence[start + r + j]
-        offsets = torch.arange(rounds, device=logits.device)[None] + torch.arange(k, device=logits.device)[:, None]
-        if target is None:
-            following = torch.tensor(sequence + [-1] * k, device=logits.device)
-            accept = (logits.argmax(-1) == following[offsets + start]).float()
+        features = target_features(target_model, sequence, memo)
+        if target is None:  # [k, R]: draft j of the round from start + r drafts sequence[start + r + j]
+            accept = drafter.replay_kept(features, sequence, start, k)
+            rounds = accept.shape[1]
         else:
+            logits = drafter.replay_logits(features, sequence, start, k)  # [k, R, V]
+            rounds = logits.shape[1]
+            offsets = torch.arange(rounds, device=logits.device)[None] + torch.arange(k, device=logits.device)[:, None]
             accept = torch.minimum(target[offsets.clamp(max=rounds - 1)], probabilities(logits, sampling)).sum(-1)
     accept = accept.tolist()
-    return [[accept[j][r] for j in range(min(k, rounds - r))] for r in range(rounds)]
+    memo["head", drafter, k] = [[accept[j][r] for j in range(min(k, rounds - r))] for r in range(rounds)]
+    return memo["head", drafter, k]
 
 
 def expected_accepted(chain: list[float], k: int) -> float:
@@ -503,6 +519,13 @@ def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: tor
             [n or k for n in proposed], [n > 0 for n in proposed])
 
 
+def served_features(drafter) -> Features | None:
+    """The target's features the last request `drafter` served handed its feature head (its
+    own, or its inner drafter's), a copy; None for a drafter without one."""
+    head = drafter if lookup_of(drafter) is None else getattr(drafter, "inner", None)
+    return head.served() if isinstance(head, FeatureDrafter) else None
+
+
 def replayable(drafter) -> bool:
     """The replay can estimate `drafter`: it declares so (lookups, model drafters, feature heads, chains of them)."""
     return capabilities(drafter).replay
@@ -518,6 +541,19 @@ def hybrid_parts(engine: SpeculativeEngine, name: str) -> tuple[str | None, str]
     lookup = next((n for n, d in engine.drafters.items() if lookup_of(d) is not None and model_drafter_of(d) is None
                    and getattr(d, "inner", None) is None), None)
     return lookup, inner
+
+
+def verify_owners(engine: SpeculativeEngine) -> dict[str, str]:
+    """Whose verify costs price each of the engine's drafters': its own for a drafter that runs a
+    model (its drafts evict the target's weights from the CPU caches: a 1-token verify after them
+    costs 1.1-1.6x an OFF step on the demo family), NO_MODEL for the others (lookups, feature
+    heads, layer skips, hybrids of them), whose verifies find the target as OFF's do. Each from
+    its own table, priced from a few of calibration's rounds, four calibrations put the rewards
+    of one set of ngram+feature:8 requests at 0.89-1.12x the speedups measured beside them
+    (pooled: 0.92-0.99), and one controller priced the head's and its hybrid's 9-token verify
+    at 1.32 and 2.34 OFF steps."""
+    return {name: name if model_drafter_of(drafter) is not None else NO_MODEL
+            for name, drafter in engine.drafters.items()}
 
 
 def draft_cost_owner(engine: SpeculativeEngine, name: str) -> str:
@@ -540,18 +576,20 @@ def draft_cost_owner(engine: SpeculativeEngine, name: str) -> str:
 
 
 def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: list[int], max_new_tokens: int,
-               sampling: SamplingParams | None = None) -> list[int]:
-    """Tokens drafted per round had `arm` served this request (one entry per round; expected if sampled)."""
+               sampling: SamplingParams | None = None, features: Features | None = None) -> list[int]:
+    """Tokens drafted per round had `arm` served this request (one entry per round; expected if
+    sampled); `features`: see `arm_rewards`."""
     sequence, start = prompt + output, len(prompt) + 1
     target = None if sampling is None or sampling.greedy else target_probabilities(engine, sequence, start, sampling)
     chains, proposed, _ = drafter_chains(engine.drafters[arm.drafter], sequence, start, arm.k, target, sampling,
-                                         target_model=engine.target)
+                                         {} if features is None else {"features": features}, engine.target)
     return replay(chains, proposed, arm.k, max_new_tokens)
 
 
 def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
                 requests: list[tuple[list[int], list[int], int]], prefill_s: float,
-                off_step_s: float, sampling: SamplingParams | list[SamplingParams] | None = None) -> dict[str, float]:
+                off_step_s: float, sampling: SamplingParams | list[SamplingParams] | None = None,
+                features: Features | None = None) -> dict[str, float]:
     """Estimated reward (OFF time / arm time) of each arm whose costs are known.
 
     `requests` holds (prompt, output, max_new_tokens) of one request, or of every request of a
@@ -559,6 +597,8 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     lasts until its slowest row is done, at the costs measured at the batch's load. `prefill_s`
     is the target's prefill, which every arm pays; a drafter's own is priced from `costs`.
     `sampling`: one for every request, or one per request (a batch may mix greedy and sampled).
+    `features`: the target's features a feature head was handed while the one request was
+    served (`served_features`), which feature heads then replay from without a target forward.
 
     A hybrid's rounds of one request are priced by who drafted them, at the costs of the
     engine's n-gram drafter and of the model drafter that runs its model (`hybrid_parts`): its
@@ -598,6 +638,8 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
                else None for sequence, start, sp in zip(sequences, starts, samplings)]
     memos = [{} for _ in sequences]  # per sequence: each model's acceptances, computed once
+    if features is not None and len(requests) == 1 and features.by_position.shape[0] >= len(sequences[0]) - 1:
+        memos[0]["features"] = features
     chain_table = {name: [drafter_chains(engine.drafters[name], sequence, start, k, target, sp, memo, engine.target)
                           for sequence, start, target, sp, memo in zip(sequences, starts, targets, samplings, memos)]
                    for name, k in longest.items()}

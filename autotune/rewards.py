@@ -23,7 +23,7 @@ import logging
 import random
 import threading
 
-from autotune.counterfactual import CostModel, hybrid_parts
+from autotune.counterfactual import CostModel, hybrid_parts, verify_owners
 from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
 from engine.drafters import model_drafter_of
 from policies import LOAD_BUCKETS, Context, load_bucket
@@ -117,8 +117,9 @@ class RewardModel:
     """
 
     def __init__(self, costs: dict[str, CostModel] | None = None, min_baseline_steps: int = 16,
-                 remeasure_off_every: int = 64) -> None:
+                 remeasure_off_every: int = 64, verify_owners: dict[str, str] | None = None) -> None:
         self.costs = costs if costs is not None else {}  # cost_key -> measured draft and verify costs
+        self.verify_owners = verify_owners  # see counterfactual.verify_owners
         self.min_baseline_steps = min_baseline_steps
         self.remeasure_off_every = remeasure_off_every
 
@@ -134,7 +135,7 @@ class RewardModel:
 
     def costs_for(self, load: int, sampled: bool) -> CostModel:
         """The costs of requests at this load, greedy or sampled (made empty if none yet)."""
-        return self.costs.setdefault(cost_key(load_bucket(load), sampled), CostModel())
+        return self.costs.setdefault(cost_key(load_bucket(load), sampled), CostModel(verify_owners=self.verify_owners))
 
     def costs_of(self, context: Context) -> CostModel | None:
         """The measured costs of requests like `context`'s (its load, greedy or sampled), if any."""
@@ -217,7 +218,7 @@ class RewardModel:
         return {key: costs.state_dict() for key, costs in self.costs.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.costs = {key: CostModel.from_state(s) for key, s in state.items()}
+        self.costs = {key: CostModel.from_state(s, self.verify_owners) for key, s in state.items()}
 
 
 def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: SamplingParams,
@@ -232,7 +233,7 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     (CostModel.observe_side_by_side, `RewardModel.probes_for`); the costs in seconds are
     replaced by requests' as they come (each a median over requests, by rounds). A drafter's
     prefill is not priced from here: it is learned when the drafter is played."""
-    costs = CostModel()
+    costs = CostModel(verify_owners=verify_owners(engine))
     length = CALIBRATION_PROMPT if engine.max_length is None else \
         max(1, min(CALIBRATION_PROMPT, engine.max_length - CALIBRATION_TOKENS - MAX_K - 1))
     if engine.tokenizer is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -90,6 +91,15 @@ class HeadCache:
             self.start_at.fill_(start)
 
 
+@dataclass
+class Features:
+    """The target's features by position [length, H], real from position `first` on (a request
+    whose prefill reused a kept prefix handed its head features from there)."""
+
+    first: int
+    by_position: torch.Tensor
+
+
 class FeatureHead(nn.Module):
     """[embedding of x_{t+1}; f_t] -> one pre-norm decoder layer (RoPE attention, SwiGLU) -> f_{t+1}."""
 
@@ -149,7 +159,9 @@ class FeatureHead(nn.Module):
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return self.feature_norm(x + self.down(F.silu(gate) * up))
 
-    def chains(self, embeds: torch.Tensor, features: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
+    def chains(self, embeds: torch.Tensor, features: torch.Tensor, starts: torch.Tensor, k: int,
+               first: int = 0, still_drafting: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
         """The features [k, R, H] that each of k draft steps reads, for rounds starting after every
         position in `starts` [R], from one pass over the L pairs of a sequence of L + 1 tokens:
         `embeds` [L, H] of x_1..x_L (each pair's token) and `features` [L, H], the target's f_0..f_{L-1}.
@@ -159,29 +171,44 @@ class FeatureHead(nn.Module):
         token that followed in the sequence (a kept draft is that token) at position starts[r] +
         j - 1, attending to the real pairs up to starts[r] - 1 and to its own earlier steps, as
         `FeatureDrafter.propose` does one round at a time. What the replay needs: greedy, a
-        draft is kept exactly while it equals the token that followed."""
+        draft is kept exactly while it equals the token that followed. `first`: the first pair
+        a round attends to, as a head whose request reused a kept prefix attended from where
+        its features began (pairs before it are not read). `still_drafting(step, rows [n],
+        their features [n, H])`: which of those rounds go on to the next step (greedy: those
+        whose draft was kept); the others' later features are left zero, and a greedy replay
+        computes about a third of the steps."""
         length = features.shape[0]
-        positions = torch.arange(length, device=features.device)
-        x = self.fuse(torch.cat([embeds, features], dim=-1))[None]
+        held = length - first  # the pairs attended to
+        positions = torch.arange(first, length, device=features.device)
+        x = self.fuse(torch.cat([embeds[first:], features[first:]], dim=-1))[None]
         q, keys, values = self._rotated_qkv(self.attention_norm(x), positions)
-        real = self._finish(x, F.scaled_dot_product_attention(q, keys, values, is_causal=True))[0]  # [L, H]
+        real = self._finish(x, F.scaled_dot_product_attention(q, keys, values, is_causal=True))[0]  # [held, H]
         scale = self.config.head_dim ** -0.5
-        sees = positions[None] < starts[:, None]  # [R, L]: the real pairs before each round's last position
-        own_keys, own_values = [], []  # per step: [1, heads, R, head_dim]
-        out = [real[starts - 1]]
+        sees = positions[None] < starts[:, None]  # [R, held]: the real pairs before each round's last position
+        out = real.new_zeros(k, len(starts), real.shape[-1])
+        out[0] = real[starts - 1 - first]
+        rows = torch.arange(len(starts), device=features.device)  # the rounds still drafting
+        own_keys = keys.new_zeros(k - 1, *keys.shape[:2], len(starts), keys.shape[-1])  # per step: [1, heads, R, d]
+        own_values = torch.zeros_like(own_keys)
         for step in range(1, k):
-            at = (starts + step - 1).clamp(max=length - 1)
-            x = self.fuse(torch.cat([embeds[at], out[-1]], dim=-1))[None]
-            q, key, value = self._rotated_qkv(self.attention_norm(x), starts + step - 1)
-            own_keys.append(key)
-            own_values.append(value)
-            scores = torch.einsum("bhrd,bhld->bhrl", q, keys).masked_fill(~sees, float("-inf"))
-            own = torch.einsum("bhrd,sbhrd->bhrs", q, torch.stack(own_keys))
+            if still_drafting is not None:
+                rows = rows[still_drafting(step - 1, rows, out[step - 1, rows])]
+            if not len(rows):
+                break
+            at = (starts[rows] + step - 1).clamp(max=length - 1)
+            x = self.fuse(torch.cat([embeds[at], out[step - 1, rows]], dim=-1))[None]
+            q, key, value = self._rotated_qkv(self.attention_norm(x), starts[rows] + step - 1)
+            own_keys[step - 1, :, :, rows] = key
+            own_values[step - 1, :, :, rows] = value
+            scores = torch.einsum("bhrd,bhld->bhrl", q, keys).masked_fill(~sees[rows], float("-inf"))
+            own = torch.einsum("bhrd,sbhrd->bhrs", q, own_keys[:step, :, :, rows])
             weights = torch.softmax(torch.cat([scores, own], -1) * scale, dim=-1)
-            attended = (torch.einsum("bhrl,bhld->bhrd", weights[..., :length], values)
-                        + torch.einsum("bhrs,sbhrd->bhrd", weights[..., length:], torch.stack(own_values)))
-            out.append(self._finish(x, attended)[0])
-        return torch.stack(out)
+            attended = (torch.einsum("bhrl,bhld->bhrd", weights[..., :held], values)
+                        + torch.einsum("bhrs,sbhrd->bhrd", weights[..., held:], own_values[:step, :, :, rows]))
+            out[step, rows] = self._finish(x, attended)[0]
+        if still_drafting is not None and len(rows):
+            still_drafting(k - 1, rows, out[k - 1, rows])
+        return out
 
     def _attend(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None) -> torch.Tensor:
         length = x.shape[1]
@@ -383,14 +410,43 @@ class FeatureDrafter:
                                     self._cache)[0, -1]
         return torch.stack(drafts)
 
-    def replay_logits(self, features: torch.Tensor, sequence: list[int], start: int, k: int) -> torch.Tensor:
+    def replay_logits(self, features: Features, sequence: list[int], start: int, k: int) -> torch.Tensor:
         """Logits [k, R, V] of the k drafts of each round that would draft sequence[t] first, for t
         = start..len(sequence) - 1, every earlier draft of a round taken as the token that followed
-        (`FeatureHead.chains`); `features` [len(sequence), H]: the target's over the sequence."""
-        device = features.device
-        starts = torch.arange(start - 1, len(sequence) - 1, device=device)  # each round's last committed position
-        embeds = self._embed(torch.tensor(sequence[1:], device=device))
-        return self._lm_head(self.head.chains(embeds, features[:-1], starts, k))
+        (`FeatureHead.chains`); `features`: the target's over the sequence, up to its last position
+        but one at least."""
+        return self._lm_head(self.head.chains(*self._replay_inputs(features, sequence, start), k, features.first))
+
+    def replay_kept(self, features: Features, sequence: list[int], start: int, k: int) -> torch.Tensor:
+        """Greedy `replay_logits`: [k, R] 1.0 where draft j of the round from start + r would be
+        kept (it and every earlier draft of the round equal the tokens that followed), else 0.0."""
+        embeds, pairs, starts = self._replay_inputs(features, sequence, start)
+        following = torch.tensor(sequence[start:] + [-1] * k, device=starts.device)
+        kept = torch.zeros(k, len(starts), device=starts.device)
+
+        def still_drafting(step: int, rows: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+            hit = self._lm_head(drafting).argmax(-1) == following[rows + step]
+            kept[step, rows] = hit.to(kept.dtype)
+            return hit
+
+        self.head.chains(embeds, pairs, starts, k, features.first, still_drafting)
+        return kept
+
+    def _replay_inputs(self, features: Features, sequence: list[int], start: int) -> tuple[torch.Tensor, ...]:
+        """`FeatureHead.chains`' embeds, features and starts for a replay of `sequence` from `start`."""
+        pairs = len(sequence) - 1
+        if features.by_position.shape[0] < pairs:
+            raise ValueError(f"features of {features.by_position.shape[0]} positions, the sequence has {pairs} pairs")
+        device = features.by_position.device
+        starts = torch.arange(start - 1, pairs, device=device)  # each round's last committed position
+        return self._embed(torch.tensor(sequence[1:], device=device)), features.by_position[:pairs], starts
+
+    def served(self) -> Features | None:
+        """A copy of the features the last request handed over (a replay of that request reads
+        them instead of running the target again); None before any."""
+        if self._cache is None or self._have == 0:
+            return None
+        return Features(self._cache.start, self._features[:self._have].clone())
 
     def warm_up(self, ks: list[int]) -> None:
         """Compile the round of every K in `ks` before serving (a compiled drafter's)."""

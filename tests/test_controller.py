@@ -10,8 +10,9 @@ from conftest import tiny_qwen3_next
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch
 from autotune.controller import AutotuneController, PendingRequest
+from autotune.counterfactual import NO_MODEL
 from autotune.rewards import RewardModel
-from engine import MAX_K, OFF, Arm, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine import MAX_K, OFF, Arm, HybridDrafter, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, PolicyError
 from store import Store
 
@@ -167,7 +168,7 @@ def test_a_store_whose_costs_were_not_measured_side_by_side_is_calibrated_again(
         resumed = AutotuneController(engine, store, policy="ucb", arms=arms)
         costs = resumed.rewards.costs["1"]
         assert costs.verify == ctl.rewards.costs["1"].verify  # what requests measured, kept
-        assert set(costs.relative_verify) == {"small", "ngram"}
+        assert set(costs.relative_verify) == {"small", NO_MODEL}  # n-gram lookup runs no model
 
 
 class ReplayRecorder(Policy):
@@ -224,18 +225,36 @@ def test_a_drafter_the_replay_cannot_run_still_prices_its_other_ks_while_the_oth
     assert {"opaque:1", "opaque:2"} <= set(told)  # from its acceptance per position
 
 
-def test_feature_heads_are_replayed_only_when_asked(target):
-    """Their replay runs the target over the whole sequence: off by default (its cost outweighed
-    what it taught on the many-classes bench)."""
+def test_feature_heads_are_replayed_when_asked_from_the_features_a_head_was_served_with(target, monkeypatch):
+    """Only when asked (its cost outweighed what it taught on the many-classes bench); a request
+    a feature head served handed it the target's features, and the replay reads those rather
+    than running the target over the whole sequence."""
     from conftest import feature_head
 
-    engine = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": feature_head(target)})
-    arms = [OFF, Arm("ngram", 2), Arm("feature", 2)]
-    for asked in (False, True):
-        policy = Plays(arms, Arm("ngram", 2))
+    import autotune.counterfactual as counterfactual
+
+    forwards = []
+    features_of = counterfactual.target_features
+
+    def counted(model, sequence, memo):
+        forwards.append("features" not in memo)
+        return features_of(model, sequence, memo)
+
+    monkeypatch.setattr(counterfactual, "target_features", counted)
+    head = feature_head(target)
+    engine = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": head, "ngram+feature": HybridDrafter(head)})
+    arms = [OFF, Arm("ngram", 2), Arm("feature", 2), Arm("ngram+feature", 3)]
+    for played, asked, replayed, target_run in ((Arm("ngram", 2), False, False, False),
+                                                (Arm("feature", 2), False, False, False),
+                                                (Arm("ngram", 2), True, True, True),
+                                                (Arm("feature", 2), True, True, False)):
+        forwards.clear()
+        policy = Plays(arms, played)
         ctl = AutotuneController(engine, policy=policy, min_baseline_steps=4, replay_features=asked)
         ctl.generate(PROMPTS[0], "code", max_new_tokens=24)
-        assert "off" in policy.told[0] and ("feature:2" in policy.told[0]) == asked
+        told = policy.told[0]
+        assert "off" in told and ("ngram+feature:3" in told) == replayed, (played, asked)
+        assert any(forwards) == target_run, (played, asked)
 
 
 @pytest.mark.parametrize("budget, expected", [

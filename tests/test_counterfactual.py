@@ -8,6 +8,8 @@ import pytest
 from test_engine import none_of_the_last_four, prompts
 
 from autotune.counterfactual import (
+    NO_MODEL,
+    OFF_ROUNDS,
     VERIFY_SLOPE_PRIOR,
     CostModel,
     arm_rewards,
@@ -15,6 +17,7 @@ from autotune.counterfactual import (
     draft_cost_owner,
     replay_arm,
     target_probabilities,
+    verify_owners,
 )
 from engine import OFF, Arm, GenerationMetrics, HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 
@@ -162,6 +165,32 @@ def test_a_verify_is_priced_as_it_costs_after_its_own_drafters_drafts():
     assert costs.relative_verify_cost(5, "ngram") == pytest.approx(1.2)
     assert costs.relative_verify_cost(5, "small") == pytest.approx(1.6)
     assert costs.relative_verify_cost(5, "medium") == pytest.approx(1.4)  # never played: every drafter's median
+
+
+def test_drafters_that_run_no_model_are_priced_from_one_table_of_verify_costs(engine):
+    """Their drafts leave the target's weights in the caches, so each verify costs what OFF's
+    would: a lookup, a feature head and their hybrid share one table (a table each, priced from
+    a few noisy requests, put a head's and its hybrid's 9-token verify at 1.32 and 2.34 steps)."""
+    assert verify_owners(engine) == {"small": "small", "ngram": NO_MODEL, "self": "self", "hybrid": "hybrid"}
+    costs = CostModel(verify_owners={"ngram": NO_MODEL, "feature": NO_MODEL, "ngram+feature": NO_MODEL})
+    verified(costs, 1, 0.005)
+    for drafter, seconds in (("ngram", 0.006), ("feature", 0.007), ("small", 0.008)):
+        verifies = {5: [10 * seconds, 10]}
+        costs.observe(Arm(drafter, 4), GenerationMetrics(rounds=10, drafted=40, draft_steps=40, draft_rounds=10,
+                                                         verify_s=10 * seconds, verify_by_width=verifies))
+    for drafter in ("ngram", "feature", "ngram+feature"):
+        assert costs.relative_verify_cost(5, drafter) == pytest.approx(1.3), drafter
+    assert costs.relative_verify_cost(5, "small") == pytest.approx(1.6)
+    assert CostModel.from_state(json.loads(json.dumps(costs.state_dict())),
+                                costs.verify_owners).relative_verify_cost(5, "ngram+feature") == pytest.approx(1.3)
+    each = CostModel()  # a store from before: a table per drafter, merged as it loads
+    verified(each, 1, 0.005)
+    for drafter, seconds in (("ngram", 0.006), ("feature", 0.007)):
+        each.observe(Arm(drafter, 4), GenerationMetrics(rounds=10, drafted=40, draft_steps=40, draft_rounds=10,
+                                                        verify_s=10 * seconds, verify_by_width={5: [10 * seconds, 10]}))
+    loaded = CostModel.from_state(json.loads(json.dumps(each.state_dict())), costs.verify_owners)
+    assert set(loaded.verify) == {OFF_ROUNDS, NO_MODEL}
+    assert loaded.relative_verify_cost(5, "ngram+feature") == pytest.approx(1.3)
 
 
 def test_costs_in_off_steps_come_from_measurements_side_by_side_not_from_medians_of_other_moments():

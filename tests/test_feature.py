@@ -88,6 +88,28 @@ def test_a_replay_predicts_the_committed_heads_rounds_exactly():
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), arm
 
 
+def test_a_replay_from_the_features_a_request_was_served_with_predicts_the_rounds_exactly():
+    """Replayed from the features the head was handed serving one request (no target forward),
+    its prompt's prefix kept so that they begin past its first position, each feature arm's
+    replay gives the rounds that arm then served (reusing as much of the prompt)."""
+    from autotune.classes import builtin_classes
+    from autotune.counterfactual import replay_arm, served_features
+    from engine import Arm
+
+    engine = load_engine(drafters=["feature"], prefix_cache_tokens=4096)
+    for prompt in builtin_classes(include_shared=False)["edit"].prompts[:3]:
+        ids = engine.encode(prompt).tolist()
+        engine.generate(ids, "off", max_new_tokens=1)  # keeps the prompt: every request below reuses it
+        result = engine.generate(ids, "feature:4", max_new_tokens=40)
+        features = served_features(engine.drafters["feature"])
+        assert features.first == result.metrics.cached_prompt_tokens > 0
+        for arm in (Arm("feature", 2), Arm("feature", 8), Arm("ngram+feature", 3), Arm("ngram+feature", 6)):
+            served = engine.generate(ids, arm, max_new_tokens=40).metrics
+            assert served.cached_prompt_tokens == features.first
+            rounds = replay_arm(engine, arm, ids, result.tokens, 40, features=features)
+            assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), arm
+
+
 def test_training_fits_the_head_to_the_targets_own_text(target):
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 from autotune.bench.common import device_name, rotate
 from autotune.classes import RequestClass
-from autotune.counterfactual import CostModel, arm_rewards
+from autotune.counterfactual import CostModel, arm_rewards, verify_owners
 from engine import Arm, SamplingParams, SpeculativeEngine
 
 
@@ -24,7 +24,7 @@ def bench_replay(engine: SpeculativeEngine, classes: dict[str, RequestClass], ar
     engine.warm_up(arms)
     out, errors = {}, []
     for name, cls in classes.items():
-        costs = CostModel(window=prompts_per_class)  # every request of the class
+        costs = CostModel(prompts_per_class, verify_owners(engine))  # every request of the class
         off = [0.0, 0.0]  # OFF decode [steps, seconds]
         served = []
         for i, prompt in enumerate(cls.prompts[:prompts_per_class]):
