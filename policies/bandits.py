@@ -1,11 +1,13 @@
 """UCB and Thompson sampling over arms, per request class and load bucket.
 
-Reward is goodput relative to the class's OFF baseline, so statistics from different
-classes are comparable and can be pooled into priors for a new class. Every update
+Reward is goodput relative to the class's OFF baseline, and classes share what they learn
+through a model of each class's mean reward on each arm as the class's level (how far
+speculation goes on its text) times the arm's effect (`fit_levels`), so an arm first measured
+in a hard class is not taken for a slow arm everywhere. Every update
 discounts all arms of its key (gamma), so old evidence fades and the policy follows
-drift; an arm that went unpulled grows uncertain and gets probed again. Classes share what
-they learn: every decision sees each arm's statistics shrunk toward that arm's mean over the
-other classes at the same load (a few pseudo-observations), so an arm that is slow everywhere
+drift; an arm that went unpulled grows uncertain and gets probed again. Every decision sees
+each arm's statistics shrunk toward what the other classes at the same load predict for this
+class (a few pseudo-observations), so an arm that is slow everywhere
 is not explored from scratch in every class, while a class's own data soon outweighs the
 others'. The OFF guard sends a class to OFF once its best speculative arm is confidently
 slower than OFF, and still probes rarely so the class can come back. Exploration is
@@ -90,6 +92,40 @@ class ArmTable:
         return table
 
 
+def fit_levels(tables: list[ArmTable], arms: list[str], iterations: int = 8) -> tuple[dict[str, float], float]:
+    """Each speculative arm's effect, and the keys' mean level, in a model of every key's mean
+    reward on every arm as its level times the arm's effect (additive in logs), fitted to the
+    keys' evidence by alternating weighted means (each cell weighted by its count).
+
+    A class's level is how far speculation goes on its text (docs 2.5x OFF, structured markup
+    1.3x), and raw means shared between classes carry it: the many-classes bench's ucb played
+    the feature head first in docs (2.1x) and its hybrid first in structured markup (1.3x,
+    where the hybrid beat the head 1.36 to 1.06), and every class then took the hybrid for
+    the slower arm. Classes share arms the replays estimate in all of them, which tie their
+    levels together. OFF is left out: its reward is 1 at every level."""
+    cells = []
+    for table in tables:
+        cell = {a: (n, math.log(max(s / n, 1e-6))) for a, (n, s, _) in table.rows.items()
+                if a != str(OFF) and a in arms and n > 1e-9}
+        if cell:
+            cells.append(cell)
+    if not cells:
+        return {}, 0.0
+    levels = [sum(n * v for n, v in cell.values()) / sum(n for n, _ in cell.values()) for cell in cells]
+    effects: dict[str, float] = {}
+    for _ in range(iterations):
+        weighted, counts = {}, {}
+        for cell, level in zip(cells, levels):
+            for arm, (n, v) in cell.items():
+                weighted[arm] = weighted.get(arm, 0.0) + n * (v - level)
+                counts[arm] = counts.get(arm, 0.0) + n
+        effects = {arm: weighted[arm] / counts[arm] for arm in weighted}
+        levels = [sum(n * (v - effects[a]) for a, (n, v) in cell.items()) / sum(n for n, _ in cell.values())
+                  for cell in cells]
+    evidence = [sum(n for n, _ in cell.values()) for cell in cells]
+    return effects, sum(w * level for w, level in zip(evidence, levels)) / sum(evidence)
+
+
 class LoadTotals:
     """Each arm's count and sum of rewards, and the sum of pooled variances, over every key at one load.
 
@@ -106,6 +142,8 @@ class LoadTotals:
         self.variance = sum(t.pooled_variance() for t in tables)
         self.keys = len(tables)
         self.changes = 0  # updates taken in since summed afresh
+        # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
+        self.effects, self.mean_level = fit_levels(tables, arms)
 
     def add(self, table: ArmTable, sign: float = 1.0) -> None:
         """Put a key's sums in (sign -1: take them out); the count of keys is the caller's."""
@@ -117,6 +155,15 @@ class LoadTotals:
     def means(self) -> dict[str, float]:
         """Each arm's mean over the keys (arms with evidence)."""
         return {arm: self.s[arm] / n for arm, n in self.n.items() if n > 1e-9}
+
+    def leveled(self, table: ArmTable, means: dict[str, float]) -> dict[str, float]:
+        """`means` with each speculative arm's replaced by what `fit_levels`' model predicts for
+        `table`'s key: its level (from its own evidence, else the keys' mean) times the arm's effect."""
+        own = [(n, math.log(max(s / n, 1e-6)) - self.effects[a]) for a, (n, s, _) in table.rows.items()
+               if a in self.effects and n > 1e-9]
+        level = sum(n * v for n, v in own) / sum(n for n, _ in own) if own else self.mean_level
+        return {arm: math.exp(level + self.effects[arm]) if arm in self.effects else mean
+                for arm, mean in means.items()}
 
     def evidence_without(self, table: ArmTable) -> dict[str, float]:
         """The other keys' (discounted) count of rewards per arm."""
@@ -183,7 +230,7 @@ class BanditPolicy(Policy):
                 # Never more pseudo-observations than the others' own: an arm one request measured
                 # elsewhere is still uncertain here.
                 source = {arm: (mean, min(self.prior_weight, same_load.n[arm]))
-                          for arm, mean in same_load.means().items()}
+                          for arm, mean in same_load.leveled(table, same_load.means()).items()}
                 variance = same_load.variance / same_load.keys
             else:
                 same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
@@ -231,7 +278,7 @@ class BanditPolicy(Policy):
         """
         totals = self._load_totals(_load_of(context.key))
         others, variance = totals.without(table)
-        means = self._shared_means(context, others)
+        means = self._shared_means(context, totals.leveled(table, others))
         if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)

@@ -8,6 +8,7 @@ import pytest
 
 from engine import OFF, Arm
 from policies import Context, Outcome, PolicyError, make_policy
+from policies.bandits import ArmTable, LoadTotals
 
 ARMS = [Arm("small", k) for k in (1, 2, 4, 8)] + [Arm("ngram", 3)]
 
@@ -128,7 +129,9 @@ def assert_decisions_see_the_other_keys_as_they_are(policy, contexts):
             if n < 1e-9:
                 assert view.rows[arm] == table.rows[arm]
                 continue
-            mean = sum(t.rows[arm][1] for t in others) / n
+            raw = sum(t.rows[arm][1] for t in others) / n
+            # as the level model (fitted when the totals were last summed afresh) predicts it for this key
+            mean = policy._load_totals(load).leveled(table, {arm: raw})[arm]
             share = min(policy.share_weight, n)  # never more than the others' own evidence
             weight = share ** 2 / (share + table.n(arm))
             variance = sum(t.pooled_variance() for t in others) / len(others)
@@ -164,6 +167,25 @@ def test_a_new_class_takes_no_more_pseudo_observations_of_an_arm_than_the_other_
     table = policy.table(Context("b"))
     assert table.n("small:8") == pytest.approx(0.99 ** 10) and table.mean("small:8") == pytest.approx(1.4)
     assert table.n("small:2") == pytest.approx(policy.prior_weight) and table.n("small:1") == 0.0
+
+
+def test_an_arm_measured_only_where_speculation_goes_less_far_is_not_taken_for_a_slow_arm_elsewhere():
+    """Classes share each arm's effect over their own level (`fit_levels`), not its raw mean: an
+    arm played only in markup (1.2x OFF, where a lookup replayed beside it made 1.0x) would
+    otherwise look slower everywhere than one played only in docs (1.9x, the lookup 1.6x)."""
+    names = [str(a) for a in [OFF, *ARMS]]
+    markup, docs = ArmTable(names), ArmTable(names)
+    for _ in range(20):
+        markup.update("small:2", 1.2, 0.99, siblings={"ngram:3": (1.0, 0.5), "off": (1.0, 0.5)})
+        docs.update("small:4", 1.9, 0.99, siblings={"ngram:3": (1.6, 0.5), "off": (1.0, 0.5)})
+    totals = LoadTotals([markup, docs], names)
+    like_docs = ArmTable(names)
+    like_docs.update("ngram:3", 1.6, 1.0)
+    predicted = totals.leveled(like_docs, {"small:2": 1.2, "small:4": 1.9, "off": 1.0})
+    assert predicted["small:2"] == pytest.approx(1.2 * 1.6, rel=0.01)
+    assert predicted["small:4"] == pytest.approx(1.9, rel=0.01) and predicted["off"] == 1.0
+    unseen = totals.leveled(ArmTable(names), {"small:2": 1.2, "small:4": 1.9})  # a new class: the mean level
+    assert unseen["small:2"] / unseen["small:4"] == pytest.approx(1.2 * 1.6 / 1.9, rel=0.01)
 
 
 @pytest.mark.parametrize("name", ["ucb", "thompson", "contextual"])
