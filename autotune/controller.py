@@ -490,7 +490,8 @@ class AutotuneController:
                                                 one.streamer, pause, probes)]
                 served = results[0].metrics
                 # a replay of feature heads reads them rather than running the target again
-                features = None if arm.is_off else served_features(self.engine.drafters[arm.drafter])
+                features = served_features(self.engine.drafters[arm.drafter]) \
+                    if self.replay_features and not arm.is_off else None
             else:
                 together = self.engine.generate_batch([r.ids for r in requests], arm,
                                                       [r.max_new_tokens for r in requests],
