@@ -217,8 +217,7 @@ def add_tuned_skip_sets(engine: SpeculativeEngine, url: str, per_class: int = 2)
             continue
         priors = priors_from_study(optuna.load_study(study_name=study, storage=url))
         best = sorted((arm for arm in priors if arm != "off"), key=lambda a: -priors[a][0])
-        for arm in best[:per_class]:
-            drafter = Arm.parse(arm).drafter
+        for drafter in list(dict.fromkeys(Arm.parse(arm).drafter for arm in best))[:per_class]:  # a set at two Ks: once
             if drafter not in engine.drafters:
                 engine.add_drafter(drafter, LayerSkipDrafter(parse_skip_name(drafter)))
                 added.append(drafter)

@@ -1,20 +1,20 @@
 """UCB and Thompson sampling over arms, per request class and load bucket.
 
-Reward is goodput relative to the class's OFF baseline, and classes share what they learn
-through a model of each class's mean reward on each arm as the class's level (how far
-speculation goes on its text) times the arm's effect (`fit_levels`), so an arm first measured
-in a hard class is not taken for a slow arm everywhere. Every update
-discounts all arms of its key (gamma), so old evidence fades and the policy follows
-drift; an arm that went unpulled grows uncertain and gets probed again. Every decision sees
-each arm's statistics shrunk toward what the other classes at the same load predict for this
-class (a few pseudo-observations), so an arm that is slow everywhere
-is not explored from scratch in every class, while a class's own data soon outweighs the
-others'. The OFF guard sends a class to OFF once its best speculative arm is confidently
-slower than OFF, and still probes rarely so the class can come back. Exploration is
-conservative (Wu et al. 2016, "Conservative Bandits"): a key plays an uncertain arm only while
-its discounted earnings over OFF cover that arm's pessimistic outcome, so a key where
-speculation loses (a class under load, where the verify costs every row of the batch) cannot
-spend many requests finding that out, and one where it wins explores freely.
+Reward is goodput relative to the class's OFF baseline. Every update discounts all arms of
+its key (gamma), so old evidence fades and the policy follows drift; an arm that went
+unpulled grows uncertain and gets probed again. Classes share what they learn: every decision
+sees each arm's statistics shrunk toward what the other classes at the same load predict for
+this class (a few pseudo-observations), from a model of each class's mean reward on each arm
+as the class's level (how far speculation goes on its text) times the arm's effect
+(`fit_levels`), so an arm first measured in a hard class is not taken for a slow arm
+everywhere, an arm that is slow everywhere is not explored from scratch in every class, and a
+class's own data soon outweighs the others'. The OFF guard sends a class to OFF once its best
+speculative arm is confidently slower than OFF, and still probes rarely so the class can come
+back. Exploration is conservative (Wu et al. 2016, "Conservative Bandits"): a key plays an
+uncertain arm only while its discounted earnings over OFF cover that arm's pessimistic
+outcome, so a key where speculation loses (a class under load, where the verify costs every
+row of the batch) cannot spend many requests finding that out, and one where it wins
+explores freely.
 """
 
 from __future__ import annotations

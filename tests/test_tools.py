@@ -78,11 +78,13 @@ def test_a_skip_set_search_per_class_adds_its_best_sets_as_arms_and_seeds_them(c
 
     serving = SpeculativeEngine(target)  # a fresh engine, as `autotune serve` builds one
     added = add_tuned_skip_sets(serving, url, per_class=2)
-    best = sorted((a for a in priors if a != "off"), key=lambda a: -priors[a][0])[:2]
-    assert added == [Arm.parse(a).drafter for a in best] and set(serving.drafters) == set(added)
+    best = sorted((a for a in priors if a != "off"), key=lambda a: -priors[a][0])
+    # the two best sets, distinct: the best two arms were one set at two Ks in a CI run
+    assert added == list(dict.fromkeys(Arm.parse(a).drafter for a in best))[:2]
+    assert set(serving.drafters) == set(added)
     ctl = AutotuneController(serving, policy="thompson")
     seeded = seed_from_studies(ctl, url)["rep"]
-    assert set(best) <= set(seeded) and ctl.policy.table(Context("rep")).rows[best[0]][0] > 0
+    assert set(best[:2]) <= set(seeded) and ctl.policy.table(Context("rep")).rows[best[0]][0] > 0
 
 
 def test_bench_layer_skip_compares_tuned_sets_with_the_best_single_set_and_early_exit(classes):
