@@ -502,11 +502,10 @@ def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: tor
     of the others (proposed None: always k; by lookup None: no drafter behind its lookup); None
     where it cannot be replayed. A drafter with both drafts by lookup wherever lookup proposes,
     else by the other. `memo`: see `model_chains`."""
-    lookup, model = lookup_of(drafter), model_drafter_of(drafter)
-    head = drafter if lookup is None else getattr(drafter, "inner", None)
+    lookup, model, head = lookup_of(drafter), model_drafter_of(drafter), _feature_head(drafter)
     if model is not None:
         inner = model_chains(model, sequence, start, k, target, sampling, memo)
-    elif isinstance(head, FeatureDrafter) and target_model is not None:
+    elif head is not None and target_model is not None:
         inner = feature_chains(head, target_model, sequence, start, k, target, sampling, memo)
         if inner is None:
             return None
@@ -519,11 +518,17 @@ def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: tor
             [n or k for n in proposed], [n > 0 for n in proposed])
 
 
-def served_features(drafter) -> Features | None:
-    """The target's features the last request `drafter` served handed its feature head (its
-    own, or its inner drafter's), a copy; None for a drafter without one."""
+def _feature_head(drafter) -> FeatureDrafter | None:
+    """The feature head that drafts for `drafter` (itself, or a hybrid's inner drafter), if any."""
     head = drafter if lookup_of(drafter) is None else getattr(drafter, "inner", None)
-    return head.served() if isinstance(head, FeatureDrafter) else None
+    return head if isinstance(head, FeatureDrafter) else None
+
+
+def served_features(drafter) -> Features | None:
+    """The target's features the last request `drafter` served handed its feature head, a copy;
+    None for a drafter without one."""
+    head = _feature_head(drafter)
+    return head.served() if head is not None else None
 
 
 def replayable(drafter) -> bool:

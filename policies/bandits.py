@@ -92,7 +92,7 @@ class ArmTable:
         return table
 
 
-def fit_levels(tables: list[ArmTable], arms: list[str], iterations: int = 8) -> tuple[dict[str, float], float]:
+def fit_levels(tables: list[ArmTable], iterations: int = 8) -> tuple[dict[str, float], float]:
     """Each speculative arm's effect, and the keys' mean level, in a model of every key's mean
     reward on every arm as its level times the arm's effect (additive in logs), fitted to the
     keys' evidence by alternating weighted means (each cell weighted by its count).
@@ -106,7 +106,7 @@ def fit_levels(tables: list[ArmTable], arms: list[str], iterations: int = 8) -> 
     cells = []
     for table in tables:
         cell = {a: (n, math.log(max(s / n, 1e-6))) for a, (n, s, _) in table.rows.items()
-                if a != str(OFF) and a in arms and n > 1e-9}
+                if a != str(OFF) and n > 1e-9}
         if cell:
             cells.append(cell)
     if not cells:
@@ -143,7 +143,7 @@ class LoadTotals:
         self.keys = len(tables)
         self.changes = 0  # updates taken in since summed afresh
         # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
-        self.effects, self.mean_level = fit_levels(tables, arms)
+        self.effects, self.mean_level = fit_levels(tables)
 
     def add(self, table: ArmTable, sign: float = 1.0) -> None:
         """Put a key's sums in (sign -1: take them out); the count of keys is the caller's."""
