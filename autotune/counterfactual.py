@@ -34,7 +34,7 @@ import torch
 
 from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.drafters import capabilities, lookup_of, model_drafter_of
-from engine.feature import FeatureDrafter, Features
+from engine.feature import FeatureDrafter, Features, feature_head_of
 from engine.sampling import adjust_logits, probabilities
 
 VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
@@ -502,7 +502,7 @@ def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: tor
     of the others (proposed None: always k; by lookup None: no drafter behind its lookup); None
     where it cannot be replayed. A drafter with both drafts by lookup wherever lookup proposes,
     else by the other. `memo`: see `model_chains`."""
-    lookup, model, head = lookup_of(drafter), model_drafter_of(drafter), _feature_head(drafter)
+    lookup, model, head = lookup_of(drafter), model_drafter_of(drafter), feature_head_of(drafter)
     if model is not None:
         inner = model_chains(model, sequence, start, k, target, sampling, memo)
     elif head is not None and target_model is not None:
@@ -518,16 +518,10 @@ def drafter_chains(drafter, sequence: list[int], start: int, k: int, target: tor
             [n or k for n in proposed], [n > 0 for n in proposed])
 
 
-def _feature_head(drafter) -> FeatureDrafter | None:
-    """The feature head that drafts for `drafter` (itself, or a hybrid's inner drafter), if any."""
-    head = drafter if lookup_of(drafter) is None else getattr(drafter, "inner", None)
-    return head if isinstance(head, FeatureDrafter) else None
-
-
 def served_features(drafter) -> Features | None:
     """The target's features the last request `drafter` served handed its feature head, a copy;
     None for a drafter without one."""
-    head = _feature_head(drafter)
+    head = feature_head_of(drafter)
     return head.served() if head is not None else None
 
 

@@ -21,7 +21,9 @@ request paused on the one-request path (`SpeculativeEngine.generate`'s `pause`):
 cache is handed over, and it goes on drawing where it stopped. Eager only
 (kvcache.GrowingCache), with drafters that declare `Capabilities(batch=True)` (the engine
 refuses others): a drafter's `lookup` drafts row by row, and the rows it leaves empty share its
-`model_drafter`'s batched steps. A round itself is engine/round.py's, as for one request.
+`model_drafter`'s batched steps, or draft with its feature head, a drafter of the head's for each
+row (`FeatureDrafter.for_row`), handed the features the batch's verifies computed for that row.
+A round itself is engine/round.py's, as for one request.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.drafters import ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
+from engine.feature import FeatureDrafter, feature_head_of
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
 from engine.round import Drafts, Row, decode_round, stream
@@ -66,14 +69,17 @@ class BatchCache:
         self.position = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # [B, slots]
         check_batchable(model)
         self.spans = _layer_spans(model)
+        self.hidden: torch.Tensor | None = None  # [B, T, H]: the last forward's features, when it was asked for them
 
     @property
     def slots(self) -> int:
         return self.keep.shape[1]
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, live: torch.Tensor, keep: int = 0):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, live: torch.Tensor, keep: int = 0,
+                features: bool = False):
         """Logits for `ids` [B, T] at `positions`, of the last `keep` of them (0: all); slots where
-        `live` is False are holes from the start."""
+        `live` is False are holes from the start. `features`: keep the model's last hidden states
+        [B, T, H] in `hidden` (a feature head's input)."""
         batch, length = ids.shape
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         new = (live[:, None, :] & causal) | torch.eye(length, dtype=torch.bool, device=ids.device)
@@ -85,7 +91,9 @@ class BatchCache:
                      for kind, span in self.spans.items()}
             mask = masks if len(masks) > 1 else masks.popitem()[1]
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=self._for_attention(mask),
-                         **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep)
+                         **{self.cache_arg: self.cache}, use_cache=True, logits_to_keep=keep,
+                         output_hidden_states=features)
+        self.hidden = out.hidden_states[-1] if features else None
         self.keep = torch.cat([self.keep, live], dim=1)
         self.position = torch.cat([self.position, positions], dim=1)
         return out.logits
@@ -484,6 +492,7 @@ class BatchRun:
         self.failed: list[tuple[int, Exception]] = []  # rows whose prefill failed, since the caller last took them
         self.target_cache: BatchCache | None = None
         self.batch_drafter: BatchDrafter | None = None
+        self.heads: dict[int, FeatureDrafter] = {}  # row index -> its drafter, on an arm with a feature head
         self.fell_back, self.error = False, None
         # Tokens the rounds committed, and live rows summed over rounds (OFF commits one per row
         # per round, so committed / row_rounds is a round's gain over OFF; row_rounds / rounds, the mean load).
@@ -498,24 +507,47 @@ class BatchRun:
 
     def _set_arm(self, drafter, k: int) -> None:
         self.drafter, self.k = drafter, k
+        self.head = feature_head_of(drafter) if drafter is not None else None
 
     def switch(self, drafter, k: int) -> None:
         """Decode on (drafter, k) from the next round on."""
-        model = model_drafter_of(drafter)
-        if model is not None and model is not model_drafter_of(self.drafter) and self.live and not self.fell_back:
+        model, head = model_drafter_of(drafter), feature_head_of(drafter)
+        changed = model is not None and model is not model_drafter_of(self.drafter)
+        changed_head = head is not None and head is not self.head
+        if (changed or changed_head) and self.live and not self.fell_back:
             began = self.clock()
             try:
-                self.batch_drafter = BatchDrafter(model, [self.rows[i] for i in self.live])
+                if changed:
+                    self.batch_drafter = BatchDrafter(model, [self.rows[i] for i in self.live])
+                if changed_head:
+                    self.heads = self._row_heads(head, self.live)
             except Exception as exc:  # speculation must never lose a request
                 self.fall_back(f"{type(exc).__name__}: {exc}")
                 return
             spent = self.clock() - began
             self.batch.prefill_s += spent  # a prefill, the drafter's only, as a join's counts it
             self.batch.draft_prefill_s += spent
-        elif model is None:
+        if model is None:
             self.batch_drafter = None
+        if head is None:
+            self.heads = {}
         if not self.fell_back:
             self._set_arm(drafter, k)
+
+    def _row_heads(self, head: FeatureDrafter, indexes: list[int]) -> dict[int, FeatureDrafter]:
+        """A drafter of `head`'s for each of these rows (`FeatureDrafter.for_row`), handed the
+        target's features of every position the row has fed: one forward of the target over the
+        row's context, as a model drafter taken up mid-run is prefilled (the batch's cache holds
+        keys and values, not features)."""
+        heads = {}
+        for i in indexes:
+            row = self.rows[i]
+            drafter = heads[i] = head.for_row()
+            drafter.begin(torch.tensor(row.tokens[:row.stopping.output_start]), row.prompt_len + row.max_new_tokens)
+            context = torch.tensor([row.tokens[:-1]], device=self.target.device)
+            out = self.target(input_ids=context, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            drafter.take_features(0, out.hidden_states[-1][0])
+        return heads
 
     def elapsed(self) -> float:
         """Engine seconds since the run began (the streamers' time left out)."""
@@ -621,10 +653,13 @@ class BatchRun:
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
-        if model is not None:
+        if model is not None or self.head is not None:
             began = self.clock()
             try:
-                drafter_cache = BatchDrafter(model, rows)
+                if model is not None:
+                    drafter_cache = BatchDrafter(model, rows)
+                if self.head is not None:
+                    self.heads.update(self._row_heads(self.head, indexes))
             except Exception as exc:  # speculation must never lose a request
                 self.fall_back(f"{type(exc).__name__}: {exc}")
             draft_prefill = self.clock() - began
@@ -677,6 +712,11 @@ class BatchRun:
         drafts = Drafts.none(len(rows))
         if lookup is not None:
             drafts.tokens = [lookup.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(rows, ks)]
+        if self.heads:  # a row at a time: the rows lookup left empty
+            for b, (row, kb) in enumerate(zip(rows, ks)):
+                if kb > 0 and not drafts.tokens[b]:
+                    drafts.tokens[b], drafts.dists[b] = self.heads[self.live[b]].propose(
+                        row.tokens, kb, row.sampling, row.generator)
         self.from_model = [kb > 0 and not d and self.batch_drafter is not None for d, kb in zip(drafts.tokens, ks)]
         model_ks = [kb if m else 0 for kb, m in zip(ks, self.from_model)]
         if max(model_ks) > 0:
@@ -692,7 +732,7 @@ class BatchRun:
         ids, live = _block([[r.tokens[-1], *d] for r, d in zip(rows, drafts)], self.target.device, right=False)
         positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in rows])
         self.first_slot = self.target_cache.slots
-        return self.target_cache.forward(ids, positions, live)
+        return self.target_cache.forward(ids, positions, live, features=bool(self.heads))
 
     def undo_verify(self, rows: list[Row]) -> None:
         crop_layers(self.target_cache.cache, self.first_slot)
@@ -701,10 +741,19 @@ class BatchRun:
         self.target_cache.forget(b, self.first_slot + 1 + kept)
         if drafts.steps:  # a lookup row kept none of the model's drafts, only its catch-up
             self.batch_drafter.rollback(b, row, kept if self.from_model[b] else 0, drafts.steps)
+        if self.heads:  # the verify fed the last token and the drafts from start - 1
+            head = self.heads[self.live[b]]
+            try:
+                if drafts.tokens[b]:
+                    head.rollback(start + kept)
+                head.take_features(start - 1, self.target_cache.hidden[b, : kept + 1])
+            except Exception as exc:
+                self.fall_back(f"drafter features: {type(exc).__name__}: {exc}")
 
     def fall_back(self, error: str) -> None:
         """The drafter failed: the rest of the run is OFF, and every request is still served."""
         self.drafter, self.batch_drafter, self.fell_back, self.error = None, None, True, error
+        self.head, self.heads = None, {}
 
     def _drop_finished(self) -> None:
         """Finished rows leave the batch (and wait in `finished` for the caller)."""
@@ -728,6 +777,7 @@ class BatchRun:
                 self.batch_drafter.cache.select(order)
         for i in finished:
             self.rows[i].metrics.total_s = elapsed - self.rows[i].joined_s
+            self.heads.pop(i, None)
         self.finished += finished
 
 

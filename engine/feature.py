@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.arms import MAX_K
-from engine.drafters import Capabilities
+from engine.drafters import Capabilities, lookup_of
 from engine.errors import IncompatibleDrafterError
 from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, compile_fixed, first_call_timed
 from engine.sampling import SamplingParams, draft_token
@@ -254,6 +254,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+def feature_head_of(drafter) -> FeatureDrafter | None:
+    """The feature drafter that drafts for `drafter` (itself, or a hybrid's inner one), if any."""
+    head = drafter if lookup_of(drafter) is None else getattr(drafter, "inner", None)
+    return head if isinstance(head, FeatureDrafter) else None
+
+
 def is_head_folder(path: Path | str) -> bool:
     return (Path(path) / HEAD_CONFIG).is_file()
 
@@ -267,9 +273,12 @@ class FeatureDrafter:
     a few dozen small ops, and K + 1 calls through Python cost more than their arithmetic. The
     graph works on a fixed cache kept across requests (`compiled_cache_len` positions, as the
     target's); a longer request, and a sampled or penalised one (whose draws and logit edits
-    happen on the host), drafts step by step."""
+    happen on the host), drafts step by step.
 
-    capabilities = Capabilities(features=True, replay=True)
+    In a batch each row drafts with a drafter of its own (`for_row`: the same head, its own
+    cache and features), one row after another: a head step is a fifth of a millisecond."""
+
+    capabilities = Capabilities(batch=True, features=True, replay=True)
     model_drafter = None
     lookup = None
     tokenizer = None
@@ -324,6 +333,14 @@ class FeatureDrafter:
             self._fixed, self._fixed_features = self._buffers(length)
             self._fixed.start_at = torch.zeros((), dtype=torch.long, device=target.device)
             self._loop = compile_fixed(self._greedy_drafts, target.device)
+
+    def for_row(self) -> FeatureDrafter:
+        """A drafter with this one's head and target and a cache of its own (eager), for one row of a batch."""
+        if self._embed is None:
+            raise RuntimeError("a feature drafter drafts only once an engine has attached it to its target")
+        row = FeatureDrafter(self.head)
+        row._embed, row._lm_head, row.max_length = self._embed, self._lm_head, self.max_length
+        return row
 
     def _buffers(self, length: int) -> tuple[HeadCache, torch.Tensor]:
         param = next(self.head.parameters())

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import feature_head
 from test_engine import AlwaysWrongDrafter, hf_greedy, prompts
 
 from engine import (
@@ -17,8 +18,10 @@ from engine import (
 
 @pytest.fixture(scope="module")
 def engine(target, draft_model):
+    head = feature_head(target)
     return SpeculativeEngine(target, {"small": draft_model, "self": target, "ngram": NGramDrafter(max_ngram=3),
-                                      "wrong": AlwaysWrongDrafter(target), "hybrid": HybridDrafter(draft_model)})
+                                      "wrong": AlwaysWrongDrafter(target), "hybrid": HybridDrafter(draft_model),
+                                      "feature": head, "ngram+feature": HybridDrafter(head)})
 
 
 @pytest.fixture(params=["grouped", "a forward per length", "compacted every round"])
@@ -44,7 +47,8 @@ def test_batched_greedy_equals_target_generate_for_every_arm(engine, target, cac
     limits = [9 + 3 * i for i in range(12)]  # rows finish at different rounds and leave the batch
     reference = [hf_greedy(target, p, n) for p, n in zip(batch, limits)]
     accepted = {}
-    for arm in ("off", "small:1", "small:4", "self:8", "ngram:2", "ngram:6", "hybrid:4"):
+    for arm in ("off", "small:1", "small:4", "self:8", "ngram:2", "ngram:6", "hybrid:4", "feature:3",
+                "ngram+feature:4"):
         out = engine.generate_batch(batch, arm, limits)
         assert [r.tokens for r in out] == reference, arm
         accepted[arm] = sum(r.metrics.accepted for r in out)
@@ -77,7 +81,7 @@ def test_batched_sampling_draws_what_each_request_draws_alone(engine):
     batch = prompts(8, seed=5)
     params = [SamplingParams(temperature=(1.0, 0.0, 0.7)[i % 3], top_p=0.9 if i % 2 else 1.0, seed=i)
               for i in range(8)]
-    for arm in ("off", "small:3", "ngram:4", "hybrid:3"):
+    for arm in ("off", "small:3", "ngram:4", "hybrid:3", "feature:2", "ngram+feature:3"):
         alone = [engine.generate(p, arm, 20, s).tokens for p, s in zip(batch, params)]
         assert [r.tokens for r in engine.generate_batch(batch, arm, 20, params)] == alone, arm
 
@@ -199,7 +203,7 @@ def test_scored_prompts_are_prefilled_in_chunks_within_the_logits_budget(engine,
             [v for e in alone.prompt_logprobs[1:] for v in e.values()], abs=1e-5)
 
 
-@pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
+@pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3", "ngram+feature:3"])
 def test_requests_joining_a_running_batch_get_what_they_get_alone(engine, arm, cache_layout, prefill_chunk):
     """Continuous batching: requests join between rounds (two at the 2nd round, one at the 5th,
     two more once every row before them is done) and decode as they do alone, greedy and
@@ -245,7 +249,7 @@ class Recorder:
         self.ends += 1
 
 
-@pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3"])
+@pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3", "feature:3"])
 def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, cache_layout, monkeypatch):
     """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
@@ -303,13 +307,13 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, cac
 
 
 def test_a_batch_session_switches_arms_between_rounds_and_stays_lossless(engine, target, cache_layout, prefill_chunk):
-    """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, n-gram,
-    hybrid drafters, OFF; a model drafter taken up again is prefilled over every live row; a
-    chunked join spans switches and takes the drafter of the round it ends in)."""
+    """A server's batch: requests join mid-run and the arm changes every 3 rounds (model, feature
+    head, n-gram, hybrid drafters, OFF; a model drafter or a head taken up again is prefilled over
+    every live row; a chunked join spans switches and takes the drafter of the round it ends in)."""
     batch, limits = prompts(6, seed=21), [10 + 4 * i for i in range(6)]
     session = engine.open_batch("off", prefill_chunk)
     session.add([BatchRequest(p, n) for p, n in zip(batch[:4], limits[:4])])
-    arms = ["small:3", "ngram:4", "hybrid:3", "self:2", "off", "small:2"]
+    arms = ["small:3", "feature:2", "ngram:4", "ngram+feature:3", "hybrid:3", "self:2", "off", "small:2"]
     rounds, done = 0, []
     while session.live_rows or session.prefilling:
         if rounds == 4:

@@ -70,6 +70,31 @@ def test_the_committed_head_drafts_what_the_target_decodes():
     assert accepted / drafted > 0.7, (accepted, drafted)
 
 
+def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone():
+    """Rows of a batch draft with a drafter of the head's each, handed the features the batch's
+    verifies computed for that row: on the committed family every row's output, drafts and
+    kept drafts are those it gets alone, also for rows joining the running batch."""
+    from autotune.classes import builtin_classes
+    from engine import BatchRequest
+
+    engine = load_engine(drafters=["feature"])  # with n-gram lookup and ngram+feature
+    classes = builtin_classes(include_shared=False)
+    batch = classes["code"].prompts[:2] + classes["docs"].prompts[:1]
+    joiners = classes["edit"].prompts[:2]
+    for arm in ("feature:3", "ngram+feature:4"):
+        waiting = [BatchRequest(p, 32) for p in joiners]
+
+        def admit(live: int, waiting: list = waiting) -> list:
+            return [waiting.pop(0)] if waiting and live else []
+
+        out = engine.generate_batch(batch, arm, 32, admit=admit)
+        alone = [engine.generate(p, arm, 32) for p in batch + joiners]
+        assert [r.tokens for r in out] == [a.tokens for a in alone], arm
+        assert [(r.metrics.drafted, r.metrics.accepted) for r in out] == \
+            [(a.metrics.drafted, a.metrics.accepted) for a in alone], arm
+        assert sum(r.metrics.accepted for r in out) > 0.5 * sum(r.metrics.drafted for r in out)
+
+
 def test_a_replay_predicts_the_committed_heads_rounds_exactly():
     """From one OFF request's output, the counterfactual replay (a target forward for the features,
     then every round's head steps at once) gives the rounds each feature arm then served."""
@@ -145,6 +170,26 @@ def test_a_head_that_raises_mid_request_leaves_it_to_off(target, monkeypatch):
     assert result.fell_back and "head blew up" in result.fallback_error
     assert result.tokens == hf_greedy(target, prompt, 30)
     assert result.metrics.drafted > 0
+
+
+def test_a_head_that_raises_in_a_batch_leaves_the_batch_to_off(target, monkeypatch):
+    head = feature_head(target)
+    engine = SpeculativeEngine(target, {"feature": head})
+    calls = {"n": 0}
+    forward = type(head.head).forward
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise RuntimeError("head blew up")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(head.head), "forward", failing)
+    batch = prompts(3, seed=6)
+    out = engine.generate_batch(batch, "feature:3", 20)
+    assert [r.tokens for r in out] == [hf_greedy(target, p, 20) for p in batch]
+    assert all(r.fell_back and "head blew up" in r.fallback_error for r in out)
+    assert out.metrics.drafted > 0
 
 
 def test_a_head_for_another_target_is_refused_by_name(target, tmp_path):
