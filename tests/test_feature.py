@@ -152,44 +152,28 @@ def test_training_fits_the_head_to_the_targets_own_text(target):
     assert before["agree_1"] < 0.2 and after["agree_1"] > 0.6 and after["agree_2"] > 0.4, (before, after)
 
 
-def test_a_head_that_raises_mid_request_leaves_it_to_off(target, monkeypatch):
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "in a batch"])
+def test_a_head_that_raises_mid_request_leaves_it_to_off(target, monkeypatch, batched):
+    """Alone the head's steps are its `forward`; in a batch every row's at once (`step_rows`)."""
     head = feature_head(target)
     engine = SpeculativeEngine(target, {"feature": head})
     calls = {"n": 0}
-    forward = type(head.head).forward
+    step = "step_rows" if batched else "forward"
+    original = getattr(type(head.head), step)
 
     def failing(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:
             raise RuntimeError("head blew up")
-        return forward(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(head.head), "forward", failing)
-    prompt = prompts(2, seed=5)[1]
-    result = engine.generate(prompt, "feature:3", max_new_tokens=30)
-    assert result.fell_back and "head blew up" in result.fallback_error
-    assert result.tokens == hf_greedy(target, prompt, 30)
-    assert result.metrics.drafted > 0
-
-
-def test_a_head_that_raises_in_a_batch_leaves_the_batch_to_off(target, monkeypatch):
-    head = feature_head(target)
-    engine = SpeculativeEngine(target, {"feature": head})
-    calls = {"n": 0}
-    step = type(head.head).step_rows
-
-    def failing(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise RuntimeError("head blew up")
-        return step(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(head.head), "step_rows", failing)
-    batch = prompts(3, seed=6)
-    out = engine.generate_batch(batch, "feature:3", 20)
-    assert [r.tokens for r in out] == [hf_greedy(target, p, 20) for p in batch]
-    assert all(r.fell_back and "head blew up" in r.fallback_error for r in out)
-    assert out.metrics.drafted > 0
+    monkeypatch.setattr(type(head.head), step, failing)
+    batch = prompts(3, seed=6) if batched else prompts(2, seed=5)[1:]
+    results = engine.generate_batch(batch, "feature:3", 30).results if batched else \
+        [engine.generate(batch[0], "feature:3", max_new_tokens=30)]
+    assert [r.tokens for r in results] == [hf_greedy(target, p, 30) for p in batch]
+    assert all(r.fell_back and "head blew up" in r.fallback_error for r in results)
+    assert sum(r.metrics.drafted for r in results) > 0
 
 
 def test_a_head_for_another_target_is_refused_by_name(target, tmp_path):
