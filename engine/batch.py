@@ -38,7 +38,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from engine.drafters import ModelDrafter, model_drafter_of
 from engine.errors import InvalidRequestError
-from engine.feature import FeatureDrafter, feature_head_of, propose_rows
+from engine.feature import FeatureDrafter, feature_head_of
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
 from engine.round import Drafts, Row, decode_round, stream
@@ -714,9 +714,9 @@ class BatchRun:
             drafts.tokens = [lookup.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(rows, ks)]
         if self.heads:  # the rows lookup left empty, a head step for all of them at once
             todo = [b for b, kb in enumerate(ks) if kb > 0 and not drafts.tokens[b]]
-            proposed = propose_rows([self.heads[self.live[b]] for b in todo], [rows[b].tokens for b in todo],
-                                    [ks[b] for b in todo], [rows[b].sampling for b in todo],
-                                    [rows[b].generator for b in todo])
+            proposed = FeatureDrafter.propose_rows([self.heads[self.live[b]] for b in todo],
+                                                   [rows[b].tokens for b in todo], [ks[b] for b in todo],
+                                                   [rows[b].sampling for b in todo], [rows[b].generator for b in todo])
             for b, (tokens, dist) in zip(todo, proposed):
                 drafts.tokens[b], drafts.dists[b] = tokens, dist
         self.from_model = [kb > 0 and not d and self.batch_drafter is not None for d, kb in zip(drafts.tokens, ks)]

@@ -275,56 +275,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def propose_rows(drafters: list[FeatureDrafter], tokens: list[list[int]], ks: list[int],
-                 params: list[SamplingParams], generators: list) -> list[tuple[list[int], torch.Tensor | None]]:
-    """What `FeatureDrafter.propose` drafts for each of several rows (a batch's, each with a
-    drafter of one head's: `for_row`), with a head step for all rows together: first each
-    row's real pairs handed over since its last round, then one draft step a row for the rows
-    still drafting. One call per step rather than one per row and step: rows of a batch of 8
-    drafting one after another spent 17 ms a round of K = 4 drafting, more than the verify."""
-    if not drafters:
-        return []
-    first = drafters[0]
-    head, embed, lm_head = first.head, first._embed, first._lm_head
-    lasts = [len(t) - 1 for t in tokens]  # pairs before each row's last position are known
-    for drafter, last in zip(drafters, lasts):
-        if drafter._have < last:
-            raise RuntimeError(f"features end at position {drafter._have}, drafting needs them up to {last}")
-    device = first._features.device
-    lengths = [last - d._fed for d, last in zip(drafters, lasts)]
-    positions = torch.cat([torch.arange(d._fed, last, device=device) for d, last in zip(drafters, lasts)])
-    new_tokens = torch.tensor([t for d, row, last in zip(drafters, tokens, lasts) for t in row[d._fed + 1:last + 1]],
-                              device=device)
-    features = torch.cat([d._features[d._fed:last] for d, last in zip(drafters, lasts)])
-    out = head.step_rows(embed(new_tokens), features, positions, lengths, [d._cache for d in drafters])
-    ends = torch.tensor(lengths, device=device).cumsum(0) - 1
-    feature = out[ends]  # [R, H]: each row's prediction at its last position
-    for drafter, last in zip(drafters, lasts):
-        drafter._fed = last
-    drafts: list[list[int]] = [[] for _ in drafters]
-    dists: list[list[torch.Tensor]] = [[] for _ in drafters]
-    going = list(range(len(drafters)))  # rows still drafting, in the order of `feature`'s rows
-    for step in range(max(ks, default=0)):
-        logits = lm_head(feature)
-        going_on, chosen = [], []
-        for j, r in enumerate(going):
-            token, q = draft_token(logits[j], tokens[r] + drafts[r], drafters[r]._output_start, params[r],
-                                   generators[r])
-            drafts[r].append(token)
-            dists[r] += [] if q is None else [q]
-            if step + 1 < ks[r]:
-                going_on.append(r)
-                chosen.append((j, token))
-        if not going_on:
-            break
-        rows = torch.tensor([j for j, _ in chosen], device=device)
-        at = torch.tensor([lasts[r] + step for r in going_on], device=device)
-        feature = head.step_rows(embed(torch.tensor([t for _, t in chosen], device=device)), feature[rows], at,
-                                 [1] * len(going_on), [drafters[r]._cache for r in going_on])
-        going = going_on
-    return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, dists)]
-
-
 def feature_head_of(drafter) -> FeatureDrafter | None:
     """The feature drafter that drafts for `drafter` (itself, or a hybrid's inner one), if any."""
     head = drafter if lookup_of(drafter) is None else getattr(drafter, "inner", None)
@@ -347,7 +297,7 @@ class FeatureDrafter:
     happen on the host), drafts step by step.
 
     In a batch each row drafts with a drafter of its own (`for_row`: the same head, its own
-    cache and features), one row after another: a head step is a fifth of a millisecond."""
+    cache and features), a round's head steps running for all its rows at once (`propose_rows`)."""
 
     capabilities = Capabilities(batch=True, features=True, replay=True)
     model_drafter = None
@@ -465,6 +415,56 @@ class FeatureDrafter:
                 embed = self._embed(torch.tensor([[token]], device=device))
                 feature = self.head(embed, feature[None, None], position, self._cache)[0, -1]
         return draft, (torch.stack(dists) if dists else None)
+
+    @staticmethod
+    def propose_rows(drafters: list[FeatureDrafter], tokens: list[list[int]], ks: list[int],
+                     params: list[SamplingParams], generators: list) -> list[tuple[list[int], torch.Tensor | None]]:
+        """What `FeatureDrafter.propose` drafts for each of several rows (a batch's, each with a
+        drafter of one head's: `for_row`), with a head step for all rows together: first each
+        row's real pairs handed over since its last round, then one draft step a row for the rows
+        still drafting. One call per step rather than one per row and step: rows of a batch of 8
+        drafting one after another spent 17 ms a round of K = 4 drafting, more than the verify."""
+        if not drafters:
+            return []
+        first = drafters[0]
+        head, embed, lm_head = first.head, first._embed, first._lm_head
+        lasts = [len(t) - 1 for t in tokens]  # pairs before each row's last position are known
+        for drafter, last in zip(drafters, lasts):
+            if drafter._have < last:
+                raise RuntimeError(f"features end at position {drafter._have}, drafting needs them up to {last}")
+        device = first._features.device
+        lengths = [last - d._fed for d, last in zip(drafters, lasts)]
+        positions = torch.cat([torch.arange(d._fed, last, device=device) for d, last in zip(drafters, lasts)])
+        new_tokens = torch.tensor([t for d, row, last in zip(drafters, tokens, lasts)
+                                   for t in row[d._fed + 1:last + 1]], device=device)
+        features = torch.cat([d._features[d._fed:last] for d, last in zip(drafters, lasts)])
+        out = head.step_rows(embed(new_tokens), features, positions, lengths, [d._cache for d in drafters])
+        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+        feature = out[ends]  # [R, H]: each row's prediction at its last position
+        for drafter, last in zip(drafters, lasts):
+            drafter._fed = last
+        drafts: list[list[int]] = [[] for _ in drafters]
+        dists: list[list[torch.Tensor]] = [[] for _ in drafters]
+        going = list(range(len(drafters)))  # rows still drafting, in the order of `feature`'s rows
+        for step in range(max(ks, default=0)):
+            logits = lm_head(feature)
+            going_on, chosen = [], []
+            for j, r in enumerate(going):
+                token, q = draft_token(logits[j], tokens[r] + drafts[r], drafters[r]._output_start, params[r],
+                                       generators[r])
+                drafts[r].append(token)
+                dists[r] += [] if q is None else [q]
+                if step + 1 < ks[r]:
+                    going_on.append(r)
+                    chosen.append((j, token))
+            if not going_on:
+                break
+            rows = torch.tensor([j for j, _ in chosen], device=device)
+            at = torch.tensor([lasts[r] + step for r in going_on], device=device)
+            feature = head.step_rows(embed(torch.tensor([t for _, t in chosen], device=device)), feature[rows], at,
+                                     [1] * len(going_on), [drafters[r]._cache for r in going_on])
+            going = going_on
+        return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, dists)]
 
     def _feed(self, tokens: list[int], end: int) -> torch.Tensor:
         """Feed the real pairs from `_fed` to `end` (exclusive); the feature predicted at the last [H]."""
