@@ -22,8 +22,8 @@ cache is handed over, and it goes on drawing where it stopped. Eager only
 (kvcache.GrowingCache), with drafters that declare `Capabilities(batch=True)` (the engine
 refuses others): a drafter's `lookup` drafts row by row, and the rows it leaves empty share its
 `model_drafter`'s batched steps, or draft with its feature head, a drafter of the head's for each
-row (`FeatureDrafter.for_row`), handed the features the batch's verifies computed for that row.
-A round itself is engine/round.py's, as for one request.
+row (`FeatureDrafter.for_row`), handed the features the batch's prefill and verifies computed
+for that row. A round itself is engine/round.py's, as for one request.
 """
 
 from __future__ import annotations
@@ -207,13 +207,26 @@ PROMPT_LOGITS_BUDGET = 1 << 26  # logits (rows x positions x vocabulary) a prefi
 FORWARD_COST_TOKENS = 256
 
 
+@dataclass
+class Prefilled:
+    """What a batch prefill leaves (see `prefilled`), a row each but `cache`."""
+
+    cache: BatchCache
+    last_logits: list[torch.Tensor | None]  # [1, V]; None for a row resumed from its cache
+    prompt_logprobs: list[list[dict[int, float] | None] | None]  # scored rows' entries, else None
+    reused: list[int]  # positions taken from kept prefixes
+    features: list[torch.Tensor | None]  # [T, H] of the positions fed (from `reused` on), when asked for
+
+
 def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
-              cached: list | None = None, share: bool = True, prefixes: PrefixCache | None = None
-              ) -> tuple[BatchCache, list[torch.Tensor | None], list[list[dict[int, float] | None] | None], list[int]]:
+              cached: list | None = None, share: bool = True, prefixes: PrefixCache | None = None,
+              features: bool = False) -> Prefilled:
     """A batch cache of `seqs` from position 0, each row's last logits [1, V] (None for a
     `cached` row), the prompt log-probabilities of the rows with a `scores` entry (vLLM's
-    prompt_logprobs, that many likeliest per token; else None), and how many of each row's
-    positions came from `prefixes` (earlier prompts' keys and values; rows are kept there too).
+    prompt_logprobs, that many likeliest per token; else None), how many of each row's
+    positions came from `prefixes` (earlier prompts' keys and values; rows are kept there too)
+    and, with `features`, the model's last hidden states of the positions each row fed (a feature
+    head's input; None for a `cached` row).
 
     Rows with the same tokens and scoring (a request's n choices) are fed once and their cache
     rows copied: prefill costs about its tokens on a busy device (a 512-token prompt took 41 ms
@@ -224,7 +237,7 @@ def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | 
     one that starts as a kept prompt did is fed from where they part (rows not scored); rows that
     start alike beyond what is kept have the start they share fed once (from what is kept of it),
     when that saves more than a forward costs (FORWARD_COST_TOKENS)."""
-    return finish(prefill_steps(model, seqs, scores, cached, share, prefixes=prefixes))
+    return finish(prefill_steps(model, seqs, scores, cached, share, prefixes=prefixes, features=features))
 
 
 def finish(steps: Generator[int, None, tuple]) -> tuple:
@@ -238,7 +251,8 @@ def finish(steps: Generator[int, None, tuple]) -> tuple:
 
 def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None] | None = None,
                   cached: list | None = None, share: bool = True, chunk_tokens: int | None = None,
-                  prefixes: PrefixCache | None = None) -> Generator[int, None, tuple]:
+                  prefixes: PrefixCache | None = None, features: bool = False
+                  ) -> Generator[int, None, Prefilled]:
     """`prefilled` a forward at a time: the generator stops before each forward, yielding the
     tokens it will feed (rows x columns, padding included), and returns what `prefilled` does.
     With `chunk_tokens`, no forward feeds more than that many (one column at least): a batch
@@ -270,17 +284,20 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
             lengths = [len(fed[i]) - kept.get(i, (0,))[0] for i in rows]
             groups += [[rows[k] for k in group] for group in length_groups(lengths)]
     cache, lasts, entries, order = None, [None] * len(fed), [None] * len(fed), []
+    hidden: list[torch.Tensor | None] = [None] * len(fed)
     for group in groups:
         if fed_cached[group[0]] is not None:  # a resumed row: its next token was drawn before the pause
             part, scored = BatchCache.of(model, fed_cached[group[0]]), [None]
         else:
             start = _cache_of(model, [kept[i][1] for i in group]) if group[0] in kept else None
             offsets = [kept.get(i, (0,))[0] for i in group]
-            part, last, scored = yield from _prefill_group(model, [fed[i][n:] for i, n in zip(group, offsets)],
-                                                           [fed_scores[i] for i in group], chunk_tokens,
-                                                           start, offsets)
+            part, last, scored, states = yield from _prefill_group(
+                model, [fed[i][n:] for i, n in zip(group, offsets)], [fed_scores[i] for i in group], chunk_tokens,
+                start, offsets, features)
             for k, i in enumerate(group):
                 lasts[i] = last[k:k + 1]
+                if states is not None:  # right-aligned: the row's fed positions are its last columns
+                    hidden[i] = states[k, states.shape[1] - (len(fed[i]) - offsets[k]):]
                 if prefixes is not None:
                     prefixes.insert(fed[i], lambda k=k, part=part: part.row(k))
         if cache is None:
@@ -294,7 +311,8 @@ def prefill_steps(model: PreTrainedModel, seqs: list[list[int]], scores: list[in
     rows = [row_of[f] for f in source]
     if rows != list(range(len(order))):
         cache.select(rows)
-    return cache, [lasts[f] for f in source], [entries[f] for f in source], [kept.get(f, (0,))[0] for f in source]
+    return Prefilled(cache, [lasts[f] for f in source], [entries[f] for f in source],
+                     [kept.get(f, (0,))[0] for f in source], [hidden[f] for f in source])
 
 
 def _reusable(model: PreTrainedModel, seqs: list[list[int]], rows: list[int], prefixes: PrefixCache,
@@ -312,8 +330,8 @@ def _reusable(model: PreTrainedModel, seqs: list[list[int]], rows: list[int], pr
         n, kv = prefixes.lookup(start)
         saved = sum(len(start) - kept.get(i, (0,))[0] for i in sharing) - (len(start) - n)
         if saved > FORWARD_COST_TOKENS:
-            part, _, _ = yield from _prefill_group(model, [start[n:]], [None], chunk_tokens,
-                                                   _cache_of(model, [kv]) if n else None, [n])
+            part, _, _, _ = yield from _prefill_group(model, [start[n:]], [None], chunk_tokens,
+                                                      _cache_of(model, [kv]) if n else None, [n])
             kv = part.row(0)
             prefixes.insert(start, lambda kv=kv: kv)
             kept.update((i, (len(start), kv)) for i in sharing if kept.get(i, (0,))[0] < len(start))
@@ -347,11 +365,13 @@ def length_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | None],
-                   chunk_tokens: int | None = None, start: BatchCache | None = None, offsets: list[int] | None = None
-                   ) -> Generator[int, None, tuple[BatchCache, torch.Tensor, list]]:
+                   chunk_tokens: int | None = None, start: BatchCache | None = None, offsets: list[int] | None = None,
+                   features: bool = False
+                   ) -> Generator[int, None, tuple[BatchCache, torch.Tensor, list, torch.Tensor | None]]:
     """The prefill of `seqs` (right-aligned), stopping before each forward: one forward, or
     chunks of columns of at most `chunk_tokens` tokens; after the rows of `start`, a cache of
-    their first `offsets` positions (kept prefixes), if given. Where prompts are scored the rows are
+    their first `offsets` positions (kept prefixes), if given. With `features`, the model's last
+    hidden states [B, T, H] of every column fed, else None. Where prompts are scored the rows are
     fed in chunks too, each chunk's logits reduced to entries before the next, so a batch of
     long prompts (an evaluation harness's log-likelihoods) holds at most PROMPT_LOGITS_BUDGET
     logits, not rows x prompt x vocabulary (16 x 1000 x 32k: 2 GB in float32)."""
@@ -367,18 +387,21 @@ def _prefill_group(model: PreTrainedModel, seqs: list[list[int]], scores: list[i
         chunk = max(1, PROMPT_LOGITS_BUDGET // (len(seqs) * vocab))
     if chunk_tokens is not None:
         chunk = min(chunk, max(1, chunk_tokens // len(seqs)))
+    states = []
     for start in range(0, width, chunk):
         end = min(start + chunk, width)
         yield len(seqs) * (end - start)
         logits = cache.forward(ids[:, start:end], positions[:, start:end], live[:, start:end],
-                               keep=0 if scoring else 1)
+                               keep=0 if scoring else 1, features=features)
+        if features:
+            states.append(cache.hidden)
         for b, top in enumerate(scores):
             first = width - len(seqs[b])  # the row's first column; a column's logits score the next token
             lo, hi = max(start, first), min(end, width - 1)
             if top is not None and lo < hi:
                 logp = torch.log_softmax(logits[b, lo - start:hi - start].float(), dim=-1)
                 entries[b] += token_logprobs(logp, seqs[b][lo + 1 - first:hi + 1 - first], top)
-    return cache, logits[:, -1], entries
+    return cache, logits[:, -1], entries, torch.cat(states, dim=1) if features else None
 
 
 def _block(seqs: list[list[int]], device, right: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,7 +432,7 @@ class BatchDrafter:
 
     def __init__(self, drafter: ModelDrafter, rows: list[Row]) -> None:
         self.prefixes = drafter.runner.prefixes  # the drafter's kept prompts
-        self.cache = prefilled(drafter.model, [r.tokens[:-1] for r in rows], prefixes=self.prefixes)[0]
+        self.cache = prefilled(drafter.model, [r.tokens[:-1] for r in rows], prefixes=self.prefixes).cache
         for r in rows:
             r.seen = len(r.tokens) - 1
 
@@ -453,7 +476,7 @@ class _Join:
     """Requests admitted while rows decode, their target prefill run within each round's budget."""
 
     indexes: list[int]  # into the run's rows
-    steps: Generator[int, None, tuple]  # prefill_steps, stopped before its next forward
+    steps: Generator[int, None, Prefilled]  # prefill_steps, stopped before its next forward
     size: int  # the tokens of that forward
     forwards: int = 0  # run so far
     target_s: float = 0.0  # seconds its forwards took
@@ -464,10 +487,12 @@ class BatchRun:
     may change between rounds.
 
     A row that joins is prefilled on its own (target, and the drafter's cache if the arm has a
-    model drafter), and its caches are appended to the batch's as more rows, their slots
-    padded with holes: masks and per-row positions already keep rows apart, so a row decodes
-    exactly as it would alone whenever it joined. A switch to another model drafter prefills
-    that drafter over every live row's context; K and n-gram lookup need nothing.
+    model drafter; a feature head's drafter takes the features of the target's prefill), and its
+    caches are appended to the batch's as more rows, their slots padded with holes: masks and
+    per-row positions already keep rows apart, so a row decodes exactly as it would alone
+    whenever it joined. A switch to another model drafter prefills that drafter over every live
+    row's context, a switch to a feature head runs the target over it once more for its
+    features; K and n-gram lookup need nothing.
 
     With `prefill_chunk` (tokens), requests admitted while rows decode wait in `joins` and their
     target prefill runs at most that many tokens per round (vLLM's token budget of a step), in
@@ -534,16 +559,21 @@ class BatchRun:
         if not self.fell_back:
             self._set_arm(drafter, k)
 
-    def _row_heads(self, head: FeatureDrafter, indexes: list[int]) -> dict[int, FeatureDrafter]:
+    def _row_heads(self, head: FeatureDrafter, indexes: list[int],
+                   prefilled: dict[int, tuple[int, torch.Tensor]] | None = None) -> dict[int, FeatureDrafter]:
         """A drafter of `head`'s for each of these rows (`FeatureDrafter.for_row`), handed the
-        target's features of every position the row has fed: one forward of the target over the
-        row's context, as a model drafter taken up mid-run is prefilled (the batch's cache holds
-        keys and values, not features)."""
+        target's features of every position the row has fed: those its prefill kept
+        (`prefilled`: row index -> its first position fed and their features), else one forward
+        of the target over the row's context, as a model drafter taken up mid-run is prefilled
+        (the batch's cache holds keys and values, not features)."""
         heads = {}
         for i in indexes:
             row = self.rows[i]
             drafter = heads[i] = head.for_row()
             drafter.begin(torch.tensor(row.tokens[:row.stopping.output_start]), row.prompt_len + row.max_new_tokens)
+            if prefilled and i in prefilled:
+                drafter.take_features(*prefilled[i])
+                continue
             context = torch.tensor([row.tokens[:-1]], device=self.target.device)
             out = self.target(input_ids=context, use_cache=False, output_hidden_states=True, logits_to_keep=1)
             drafter.take_features(0, out.hidden_states[-1][0])
@@ -586,14 +616,14 @@ class BatchRun:
         self.added += len(rows)
         return indexes
 
-    def _prefill(self, rows: list[Row], chunk_tokens: int | None) -> Generator[int, None, tuple]:
-        """The target's prefill of rows joining. A paused request's last token is the one its
-        next round feeds (the cache holds all but the last token), so it resumes drawing exactly
-        where it stopped."""
+    def _prefill(self, rows: list[Row], chunk_tokens: int | None) -> Generator[int, None, Prefilled]:
+        """The target's prefill of rows joining, keeping its features while the arm drafts with a
+        feature head. A paused request's last token is the one its next round feeds (the cache
+        holds all but the last token), so it resumes drawing exactly where it stopped."""
         asked = [r.sampling.prompt_logprobs if r.resumes is None else None for r in rows]
         return prefill_steps(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked,
                              [r.cached if r.resumes else None for r in rows], chunk_tokens=chunk_tokens,
-                             prefixes=self.prefixes)
+                             prefixes=self.prefixes, features=self.head is not None)
 
     def _advance_joins(self) -> None:
         """Prefill forwards of the waiting joins, oldest first, while this round's stay within
@@ -638,18 +668,18 @@ class BatchRun:
             alone.append(_Join([i], steps, next(steps)))
         self.joins[:0] = alone
 
-    def _join(self, indexes: list[int], prefill: tuple, target_s: float) -> None:
+    def _join(self, indexes: list[int], prefill: Prefilled, target_s: float) -> None:
         """Rows whose target prefill is done join the batch: each draws its first token, the
         drafter's cache is prefilled for them, and both caches take them as more rows."""
         rows = [self.rows[i] for i in indexes]
-        cache, logits, scored, reused = prefill
+        cache, reused = prefill.cache, prefill.reused
         for b, r in enumerate(rows):
             r.logprobs = None if r.sampling.logprobs is None else []
             r.cached = None  # in the batch's cache now
             if r.resumes is None:
                 if r.sampling.prompt_logprobs is not None:
-                    r.prompt_logprobs = scored[b]
-                r.start(logits[b])
+                    r.prompt_logprobs = prefill.prompt_logprobs[b]
+                r.start(prefill.last_logits[b])
         draft_prefill = 0.0
         drafter_cache = None
         model = model_drafter_of(self.drafter)
@@ -659,7 +689,9 @@ class BatchRun:
                 if model is not None:
                     drafter_cache = BatchDrafter(model, rows)
                 if self.head is not None:
-                    self.heads.update(self._row_heads(self.head, indexes))
+                    fed = {i: (n, states) for i, n, states in zip(indexes, reused, prefill.features)
+                           if states is not None}
+                    self.heads.update(self._row_heads(self.head, indexes, fed))
             except Exception as exc:  # speculation must never lose a request
                 self.fall_back(f"{type(exc).__name__}: {exc}")
             draft_prefill = self.clock() - began

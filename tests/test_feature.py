@@ -70,10 +70,12 @@ def test_the_committed_head_drafts_what_the_target_decodes():
     assert accepted / drafted > 0.7, (accepted, drafted)
 
 
-def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone():
+@pytest.mark.parametrize("prefill_chunk", [None, 5], ids=["prefilled at once", "chunked prefill"])
+def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone(prefill_chunk):
     """Rows of a batch draft with a drafter of the head's each, handed the features the batch's
-    verifies computed for that row: on the committed family every row's output, drafts and
-    kept drafts are those it gets alone, also for rows joining the running batch."""
+    prefill and verifies computed for that row: on the committed family every row's output,
+    drafts and kept drafts are those it gets alone, also for rows joining the running batch
+    (their prefill at once or a chunk a round)."""
     from autotune.classes import builtin_classes
     from engine import BatchRequest
 
@@ -87,7 +89,7 @@ def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone():
         def admit(live: int, waiting: list = waiting) -> list:
             return [waiting.pop(0)] if waiting and live else []
 
-        out = engine.generate_batch(batch, arm, 32, admit=admit)
+        out = engine.generate_batch(batch, arm, 32, admit=admit, prefill_chunk=prefill_chunk)
         alone = [engine.generate(p, arm, 32) for p in batch + joiners]
         assert [r.tokens for r in out] == [a.tokens for a in alone], arm
         assert [(r.metrics.drafted, r.metrics.accepted) for r in out] == \
