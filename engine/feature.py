@@ -402,25 +402,13 @@ class FeatureDrafter:
                 self._feed(tokens, window)
             self._fed = last
             return self._compiled_round(tokens, last, k).tolist(), None
-        feature = self._feed(tokens, last)
-        device = feature.device
-        draft: list[int] = []
-        dists = []
-        for step in range(k):
-            token, q = draft_token(self._lm_head(feature), tokens + draft, self._output_start, params, generator)
-            draft.append(token)
-            dists += [] if q is None else [q]
-            if step + 1 < k:
-                position = torch.tensor([last + step], device=device)
-                embed = self._embed(torch.tensor([[token]], device=device))
-                feature = self.head(embed, feature[None, None], position, self._cache)[0, -1]
-        return draft, (torch.stack(dists) if dists else None)
+        return self.propose_rows([self], [tokens], [k], [params], [generator])[0]
 
     @staticmethod
     def propose_rows(drafters: list[FeatureDrafter], tokens: list[list[int]], ks: list[int],
                      params: list[SamplingParams], generators: list) -> list[tuple[list[int], torch.Tensor | None]]:
-        """What `FeatureDrafter.propose` drafts for each of several rows (a batch's, each with a
-        drafter of one head's: `for_row`), with a head step for all rows together: first each
+        """The eager drafts of several rows (a batch's, each with a drafter of one head's: `for_row`;
+        `propose` drafts one request as a row of one), with a head step for all rows together: first each
         row's real pairs handed over since its last round, then one draft step a row for the rows
         still drafting. One call per step rather than one per row and step: rows of a batch of 8
         drafting one after another spent 17 ms a round of K = 4 drafting, more than the verify."""

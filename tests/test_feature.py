@@ -156,12 +156,11 @@ def test_training_fits_the_head_to_the_targets_own_text(target):
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "in a batch"])
 def test_a_head_that_raises_mid_request_leaves_it_to_off(target, monkeypatch, batched):
-    """Alone the head's steps are its `forward`; in a batch every row's at once (`step_rows`)."""
+    """The head's eager steps are `step_rows`, alone (a batch of one row) or for every row of a batch."""
     head = feature_head(target)
     engine = SpeculativeEngine(target, {"feature": head})
     calls = {"n": 0}
-    step = "step_rows" if batched else "forward"
-    original = getattr(type(head.head), step)
+    original = type(head.head).step_rows
 
     def failing(self, *args, **kwargs):
         calls["n"] += 1
@@ -169,7 +168,7 @@ def test_a_head_that_raises_mid_request_leaves_it_to_off(target, monkeypatch, ba
             raise RuntimeError("head blew up")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(head.head), step, failing)
+    monkeypatch.setattr(type(head.head), "step_rows", failing)
     batch = prompts(3, seed=6) if batched else prompts(2, seed=5)[1:]
     results = engine.generate_batch(batch, "feature:3", 30).results if batched else \
         [engine.generate(batch[0], "feature:3", max_new_tokens=30)]
