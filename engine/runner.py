@@ -11,18 +11,22 @@
   K+1 for a verify, 1 or 2 for a drafter), compiled the first time a length is used and reused
   after. On CUDA the graphs are replayed as CUDA graphs (mode="reduce-overhead"). Prefill
   stays eager (prompt lengths vary). The first call of each length is timed and reported as
-  that graph's compile cost. Every step attends over the whole cache, so it is kept short
-  (512 positions unless asked otherwise: 256/512/1024 positions cost 5.2/6.1/6.8 ms per
-  demo-target step on the 2-core CPU, before the settings below); a request that does not
-  fit runs on the dynamic eager path instead, still served, still lossless.
+  that graph's compile cost. On CUDA every step attends over the whole cache, so it is kept
+  short (512 positions unless asked otherwise); on CPU a step attends over the positions filled
+  so far (see "step attention" below). A request that does not fit runs on the dynamic eager
+  path instead, still served, still lossless.
 
 Three settings make the compiled step cheap on CPU, where a demo-target step is a few
 milliseconds and fixed costs dominate:
 - matmuls: inductor's own kernels instead of the BLAS library's (CPU_ONE_TOKEN, CPU_MANY_TOKENS);
 - step attention: inside a compiled CPU step attention is written out as plain matmul,
   mask and softmax, which inductor fuses; the SDPA flash kernel for CPU is built for long
-  queries and spent about half of a 1-token step. Everywhere else (prefill, eager paths,
-  generate() on the same model) the same function calls SDPA, so they are unchanged;
+  queries and spent about half of a 1-token step. It reads the cache's first `span.shape[0]`
+  positions only (those filled, rounded up to SPAN_ALIGN), `span` a tensor whose length the
+  graph takes as a symbol (torch._dynamo.mark_dynamic): one graph serves every length, and a
+  step no longer reads the cache's empty end (at 512 positions, a sixth of a demo-target step
+  with 224 filled). Everywhere else (prefill, eager paths, generate() on the same model) the
+  same function calls SDPA, so they are unchanged;
 - guards: dynamo checks ~1,600 guards on module attributes before every call (about a
   tenth of a step); only the identity checks on parameters are kept, so two models (the
   target and a drafter run the same step code) never share a graph.
@@ -54,6 +58,10 @@ from engine.kvcache import (
 from engine.prefix import PrefixCache
 
 COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
+# A compiled CPU step's attention span is the positions filled rounded up to this (a vector's
+# floats), and the cache is allocated this much longer than its requests may fill: a span as
+# long as the whole cache would be a size dynamo specializes on (a slice that is the tensor).
+SPAN_ALIGN = 16
 # Enough compiled graphs for every step length a request can use (1..MAX_K + 1) per model.
 RECOMPILE_LIMIT = 64
 
@@ -62,10 +70,15 @@ STEP_ATTENTION = "spec_autotune_step"
 
 
 def step_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
-    """SDPA, except inside a compiled CPU step, where written-out attention lets inductor fuse it."""
+                   attention_mask: torch.Tensor | None, scaling: float | None = None,
+                   span: torch.Tensor | None = None, **kwargs):
+    """SDPA, except inside a compiled CPU step, where written-out attention over the cache's
+    first `span.shape[0]` positions (all with no `span`) lets inductor fuse it."""
     if not torch.compiler.is_compiling() or attention_mask is None or query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if span is not None:
+        length = span.shape[0]
+        key, value, attention_mask = key[:, :, :length], value[:, :, :length], attention_mask[..., :length]
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.shape[-1] ** -0.5)
@@ -170,11 +183,13 @@ class ModelRunner:
             self._static: StaticCache | None = None
             use_compile_cache_dir()
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            self._spans = False  # whether steps attend over the filled positions only (`_span`)
             if model.device.type == "cuda":  # CUDA graphs
                 self._one_token = self._many_tokens = contextlib.nullcontext()
             else:
                 if model.config._attn_implementation == "sdpa":
                     model.set_attn_implementation(STEP_ATTENTION)
+                self._spans = model.config._attn_implementation == STEP_ATTENTION
                 # Inductor reads these from its global config when a graph compiles, which happens
                 # inside a call (torch.compile's options do not reach them): patched around the
                 # first call of each step length.
@@ -189,7 +204,7 @@ class ModelRunner:
         if self.kind == "compiled" and max_length <= self.max_cache_len:
             self._eager_request = False
             if self._static is None:
-                self._static = rollback_static_cache(self.model.config, self.max_cache_len)
+                self._static = rollback_static_cache(self.model.config, self.max_cache_len + SPAN_ALIGN)
             self._cache = self._static
             self.truncate(0)
         elif self.kind == "static":
@@ -293,9 +308,10 @@ class ModelRunner:
             logits, self.hidden = self._eager_step(tokens, positions, keep)
             return logits
         # tokens in -> logits out: one graph each, compiled by its first call under that length's settings
+        span = self._span(start + tokens.shape[1])
         logits, hidden = first_call_timed(self.compile_s, f"{tokens.shape[1]}->{keep}",
                                           self._one_token if tokens.shape[1] == 1 else self._many_tokens,
-                                          lambda: self._compiled(tokens, positions, keep))
+                                          lambda: self._compiled(tokens, positions, keep, span))
         if tokens.device.type == "cuda":  # a CUDA graph overwrites its output buffers on the next replay
             logits, hidden = logits.clone(), None if hidden is None else hidden.clone()
         self.hidden = hidden
@@ -309,19 +325,31 @@ class ModelRunner:
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         if self._eager_request:
             return self._greedy_drafts(tokens, positions, k)
+        span = self._span(start + tokens.shape[1] + k - 1)  # the last draft is not fed
         drafts = first_call_timed(self.compile_s, f"{tokens.shape[1]}->{k} drafts", self._one_token,
-                                  lambda: self._drafts(tokens, positions, k))
+                                  lambda: self._drafts(tokens, positions, k, span))
         return drafts.clone() if tokens.device.type == "cuda" else drafts
 
-    def _greedy_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-        logits, _ = self._eager_step(tokens, positions, 1)
+    def _greedy_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, k: int,
+                       span: torch.Tensor | None = None) -> torch.Tensor:
+        logits, _ = self._eager_step(tokens, positions, 1, span)
         drafts = []
         for step in range(k):
             token = logits[-1].argmax(-1)
             drafts.append(token)
             if step + 1 < k:
-                logits, _ = self._eager_step(token.view(1, 1), positions[-1:] + 1 + step, 1)
+                logits, _ = self._eager_step(token.view(1, 1), positions[-1:] + 1 + step, 1, span)
         return torch.stack(drafts)
+
+    def _span(self, filled: int) -> torch.Tensor | None:
+        """What a compiled CPU step's attention reads (see the module docstring): a tensor as long
+        as the cache positions filled once the step is done, rounded up to SPAN_ALIGN; None on CUDA."""
+        if not self._spans:
+            return None
+        cache_len = self._cache.layers[0].max_cache_len
+        span = torch.empty(min(-(-filled // SPAN_ALIGN) * SPAN_ALIGN, cache_len - 1), dtype=torch.int8)
+        torch._dynamo.mark_dynamic(span, 0, min=2, max=cache_len - 1)
+        return span
 
     def use_cache_of(self, other: ModelRunner) -> None:
         """Step into `other`'s cache, as it stands for `other`'s current request: for a view of
@@ -337,11 +365,14 @@ class ModelRunner:
         code = function.__code__.replace()  # an equal but distinct code object
         return types.MethodType(types.FunctionType(code, function.__globals__), self)
 
-    def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor,
-                    keep: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [keep, V], and the hidden states [T, H] if `keeps_hidden`."""
+    def _eager_step(self, tokens: torch.Tensor, positions: torch.Tensor, keep: int,
+                    span: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [keep, V], and the hidden states [T, H] if `keeps_hidden`; `span`: a compiled
+        CPU step's (see `_span`)."""
+        spans = {} if span is None else {"span": span}
         out = self.model(tokens, **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=keep,
-                         cache_position=positions, position_ids=positions[None], output_hidden_states=self.keeps_hidden)
+                         cache_position=positions, position_ids=positions[None], output_hidden_states=self.keeps_hidden,
+                         **spans)
         return out.logits[0], (out.hidden_states[-1][0] if self.keeps_hidden else None)
 
     def cached(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
