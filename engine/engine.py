@@ -133,8 +133,9 @@ class SpeculativeEngine:
             compile = (self.device.type == "cuda" and not recurrent_kinds(self.target.config)
                        and not uses_alibi(self.target.config))  # see kvcache
         self.cache_kind = "compiled" if compile else "static" if static_cache else "dynamic"
-        self.compiled_cache_len = compiled_cache_len  # None: runner.COMPILED_CACHE_LEN
         self.runner = ModelRunner(self.target, self.cache_kind, compiled_cache_len)
+        # Drafters compile for the target's cache length (runner.py says how it defaults).
+        self.compiled_cache_len = getattr(self.runner, "max_cache_len", compiled_cache_len)
         # The target's weights, for drafters trained for exactly this target (engine/feature.py).
         folder = self.target.name_or_path  # where from_pretrained found it ("" if built in memory)
         self.target_hash = weights_hash(folder) if folder and Path(folder).is_dir() else None

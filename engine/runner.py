@@ -13,8 +13,9 @@
   stays eager (prompt lengths vary). The first call of each length is timed and reported as
   that graph's compile cost. On CUDA every step attends over the whole cache, so it is kept
   short (512 positions unless asked otherwise); on CPU a step attends over the positions filled
-  so far (see "step attention" below). A request that does not fit runs on the dynamic eager
-  path instead, still served, still lossless.
+  so far (see "step attention" below), so the cache spans the model's context (up to 4096
+  positions). A request that does not fit runs on the dynamic eager path instead, still
+  served, still lossless.
 
 Three settings make the compiled step cheap on CPU, where a demo-target step is a few
 milliseconds and fixed costs dominate:
@@ -57,7 +58,11 @@ from engine.kvcache import (
 )
 from engine.prefix import PrefixCache
 
-COMPILED_CACHE_LEN = 512  # default length of a compiled model's cache (capped by its context)
+# Default length of a compiled model's cache, capped by its context: where every step attends
+# over all of it (CUDA graphs, attention other than SDPA), short; where a step attends over the
+# positions filled (CPU, SDPA: see "step attention" above), the model's context up to a bound.
+COMPILED_CACHE_LEN = 512
+SPANNED_CACHE_LEN = 4096
 # A compiled CPU step's attention span is the positions filled rounded up to this (a vector's
 # floats), and the cache is allocated this much longer than its requests may fill: a span as
 # long as the whole cache would be a size dynamo specializes on (a slice that is the tensor).
@@ -177,8 +182,6 @@ class ModelRunner:
             self._check_steps()
         self._eager_request = cache != "compiled"  # a compiled runner serves too-long requests eagerly
         if cache == "compiled":
-            context = getattr(model.config, "max_position_embeddings", None) or COMPILED_CACHE_LEN
-            self.max_cache_len = min(max_cache_len or COMPILED_CACHE_LEN, context)
             # Allocated by the first `begin`: a runner that steps into another's cache (use_cache_of) needs none.
             self._static: StaticCache | None = None
             use_compile_cache_dir()
@@ -195,6 +198,9 @@ class ModelRunner:
                 # first call of each step length.
                 self._one_token = torch._inductor.config.patch(CPU_ONE_TOKEN)
                 self._many_tokens = torch._inductor.config.patch(CPU_MANY_TOKENS)
+            default = SPANNED_CACHE_LEN if self._spans else COMPILED_CACHE_LEN
+            context = getattr(model.config, "max_position_embeddings", None) or default
+            self.max_cache_len = min(max_cache_len or default, context)
             self._compiled = compile_fixed(self._own(ModelRunner._eager_step), model.device)
             # A drafter's greedy round, one graph per (tokens fed first, K): see `greedy_drafts`.
             self._drafts = compile_fixed(self._own(ModelRunner._greedy_drafts), model.device)
