@@ -560,10 +560,10 @@ class BatchRun:
             self._set_arm(drafter, k)
 
     def _row_heads(self, head: FeatureDrafter, indexes: list[int],
-                   prefilled: dict[int, tuple[int, torch.Tensor]] | None = None) -> dict[int, FeatureDrafter]:
+                   fed: dict[int, tuple[int, torch.Tensor]] | None = None) -> dict[int, FeatureDrafter]:
         """A drafter of `head`'s for each of these rows (`FeatureDrafter.for_row`), handed the
-        target's features of every position the row has fed: those its prefill kept
-        (`prefilled`: row index -> its first position fed and their features), else one forward
+        target's features of every position the row has fed: those its prefill kept (`fed`: row
+        index -> its first position fed and their features), else one forward
         of the target over the row's context, as a model drafter taken up mid-run is prefilled
         (the batch's cache holds keys and values, not features)."""
         heads = {}
@@ -571,8 +571,8 @@ class BatchRun:
             row = self.rows[i]
             drafter = heads[i] = head.for_row()
             drafter.begin(torch.tensor(row.tokens[:row.stopping.output_start]), row.prompt_len + row.max_new_tokens)
-            if prefilled and i in prefilled:
-                drafter.take_features(*prefilled[i])
+            if fed and i in fed:
+                drafter.take_features(*fed[i])
                 continue
             context = torch.tensor([row.tokens[:-1]], device=self.target.device)
             out = self.target(input_ids=context, use_cache=False, output_hidden_states=True, logits_to_keep=1)
