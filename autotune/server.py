@@ -115,6 +115,10 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        # asyncio turns Nagle's algorithm off only for sockets whose proto says TCP, and a socket
+        # accepted from socket.create_server's says 0: on a kept-alive connection the body then
+        # waited for the client's delayed ACK of the head (40 ms a response), and a stream's chunks too.
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.closing:  # accepted in the same batch as the stop: uvicorn's shutdown has passed it by
             self._close()
             return

@@ -446,11 +446,23 @@ def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
     engine, _ = served
     classes = {"code": RequestClass("code", "greedy", tuple(PROMPTS), max_new_tokens=12),
                "chat": RequestClass("chat", "sampled", tuple(PROMPTS), temperature=1.0, max_new_tokens=12)}
-    result = bench_serve(engine, classes, clients=4, requests_per_client=2, max_batch=4, policies=("ucb",), rounds=1,
-                         progress=lambda _: None)
+    elsewhere = CompletionServer(AutotuneController(engine, policy="off", max_batch=4), ("127.0.0.1", 0)).start()
+    try:  # one server as two: "new-" and "old-" servers are compared round by round
+        base = f"http://127.0.0.1:{elsewhere.server_port}"
+        result = bench_serve(engine, classes, clients=4, requests_per_client=2, max_batch=4, policies=("ucb",),
+                             rounds=2, others={"new-off": base, "old-off": base}, progress=lambda _: None)
+    finally:
+        elsewhere.shutdown()
     assert result["identical_greedy_outputs"] is True and result["greedy_requests_compared"] == 4
-    assert set(result["configs"]) == {"ucb/direct", "ucb/http"} and result["http_vs_direct"]["ucb"] > 0
+    assert set(result["configs"]) == {"ucb/direct", "ucb/http", "new-off", "old-off"}
+    assert result["http_vs_direct"]["ucb"] > 0
     assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in result["configs"].values())
+    assert set(result["compared"]) == {"new-off over old-off", "ucb/http over ucb/direct"}
+    for name, compared in result["compared"].items():
+        one, other = (result["configs"][n] for n in name.split(" over "))
+        assert compared["tokens_per_s_by_round"] == [round(x / y, 3) for x, y in zip(
+            one["tokens_per_s_by_round"], other["tokens_per_s_by_round"], strict=True)]
+        assert len(compared["tokens_per_s_by_round"]) == 2
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -840,6 +852,24 @@ def test_refusals_of_the_transport_are_json_and_browsers_get_cors(served):
         raw.sendall(b"GARBAGE\r\n\r\n")
         answer = b"".join(iter(lambda: raw.recv(4096), b""))  # to its end: the server closes it
     assert answer.startswith(b"HTTP/1.1 400") and b'"type": "invalid_request_error"' in answer
+
+
+def test_a_kept_alive_connection_sends_each_answer_at_once(served):
+    """Nagle's algorithm is off on every connection: with it on, a kept-alive connection's body
+    (and a stream's every chunk) waited for the client's delayed ACK of what went before it."""
+    import http.client
+
+    engine, _ = served
+    server = CompletionServer(AutotuneController(engine, policy="off"), ("127.0.0.1", 0)).start()
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_port)
+        connection.request("GET", "/health")
+        assert json.loads(connection.getresponse().read()) == {"status": "ok"}
+        (accepted,) = server.uvicorn.server_state.connections
+        assert accepted.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        connection.close()
+    finally:
+        server.shutdown()
 
 
 def test_usage_counts_the_prompt_tokens_a_kept_prefix_served(served):
