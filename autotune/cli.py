@@ -19,6 +19,7 @@ from store import StoreError
 EXIT_FAILURE, EXIT_USAGE, EXIT_STORE = 1, 2, 3
 PREFIX_BENCH_TOKENS = 8192  # bench prefix: what each model keeps of earlier prompts (serve's default)
 LLAMACPP_MEMBERS = ("target", "distilled", "small", "medium")  # the family members llama.cpp serves
+LEARNING_POLICIES = "ucb,contextual"  # bench controller --many-classes, bench backends: policies compared by default
 
 
 class CheckFailed(Exception):
@@ -288,7 +289,7 @@ def _bench_backends(args, bench) -> dict:
         result = {"llama_cpp_python": LLAMA_CPP_PYTHON, "servers": [s.spec.name for s in servers]}
         result["controller"] = bench.bench_backend_controller(
             backend, classes, tokenizer, 3 if args.quick else args.per_class or 50, backend.arms(),
-            args.policies.split(","))
+            (args.policies or LEARNING_POLICIES).split(","))
         peer_classes = [builtin_classes(include_shared=False)[name] for name in ("code", "edit")]
         count = 2 if args.quick else args.prompts
         prompts = [tokenizer.encode(p) for c in peer_classes for p in c.prompts[:count]]
@@ -406,12 +407,13 @@ def _bench_prefix(args, engine, bench) -> dict:
 
 def _bench_clients(args, engine, bench) -> dict:
     clients, per_client = (8, 2) if args.quick else (args.clients, 4)
-    rounds = 1 if args.quick else 2
+    rounds = 1 if args.quick else args.rounds
     if args.what == "concurrency":
         return bench.bench_concurrency(engine, _classes(args), clients, per_client, max_batch=clients, rounds=rounds)
     others = dict(_named(item) for item in args.compare_url or ())
-    return bench.bench_serve(engine, _classes(args), clients, per_client, max_batch=clients, rounds=rounds,
-                             others=others)
+    policies = tuple(p for p in args.policies.split(",") if p) if args.policies is not None else ("off", "ucb")
+    return bench.bench_serve(engine, _classes(args), clients, per_client, max_batch=clients, policies=policies,
+                             rounds=rounds, others=others)
 
 
 def _named(item: str) -> tuple[str, str]:
@@ -483,7 +485,8 @@ def _bench_controller(args, engine, bench) -> dict:
         chosen = json.loads(Path(args.arms_from).read_text()) if args.arms_from else None
         with _noise(args.noise, engine):
             result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class or 8,
-                                              policies=args.policies.split(","), chosen=chosen)
+                                              policies=(args.policies or LEARNING_POLICIES).split(","),
+                                              chosen=chosen)
         result["noise"] = args.noise
         return result
     from autotune.classes import Workload
@@ -738,7 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
                         " commit), driven by this one's bench")
     p.add_argument("--compare-url", action="append", metavar="NAME=URL",
                    help="bench serve: also serve the same clients from a server started elsewhere (e.g. another"
-                        " build of autotune serve, on the same family), in the same turns")
+                        " build of autotune serve, on the same family), in the same turns; servers named new-X and"
+                        " old-X are also compared round by round")
     p.add_argument("--out", default="bench-out", help="bench controller: folder for stores and plots")
     p.add_argument("--no-drift", action="store_true", help="bench controller: skip the drift/restart run")
     p.add_argument("--many-classes", type=at_least(2), metavar="N",
@@ -746,7 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
                         " a few requests each, every request served by every configuration, counted from the first")
     p.add_argument("--per-class", type=at_least(1), help="bench controller --many-classes: requests per class"
                                                           " (default 8); bench backends: (default 50)")
-    p.add_argument("--policies", default="ucb,contextual", help="bench controller --many-classes: policies compared")
+    p.add_argument("--policies", help="bench controller --many-classes: policies compared (default"
+                                      f" {LEARNING_POLICIES});"
+                                      " bench serve: policies served in process, directly and over HTTP (default"
+                                      " off,ucb; empty: only the --compare-url servers)")
+    p.add_argument("--rounds", type=at_least(1), default=2,
+                   help="bench serve, concurrency: rounds in which every configuration serves the clients in turn")
     p.add_argument("--arms-from", metavar="JSON", help="bench controller --many-classes: the static best and oracle"
                                                        " arms of an earlier run's JSON, instead of hindsight picks")
     p.add_argument("--noise", choices=["delays", "hog"],

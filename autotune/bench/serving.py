@@ -61,6 +61,22 @@ def _client_process(base: str, bodies: list[list[dict]], pipe) -> None:
             pipe.send(RuntimeError(f"{exc}: {exc.__cause__!r}"))
 
 
+def _pairs(names: list[str]) -> list[tuple[str, str]]:
+    """The configurations compared round by round: for names "new-X" and "old-X" (servers given as
+    `others`), new over old; for a policy served in process, over HTTP over directly."""
+    pairs = [(name, "old-" + name[4:]) for name in names if name.startswith("new-") and "old-" + name[4:] in names]
+    return pairs + [(name, name[:-4] + "direct") for name in names if name.endswith("/http")]
+
+
+def _compared(one: dict, other: dict) -> dict:
+    """`one` configuration's figures over `other`'s: in all, and tokens/s round by round (rounds
+    served minutes apart see the machine at different speeds; one round's pair saw it alike)."""
+    return {"tokens_per_s": round(one["tokens_per_s"] / other["tokens_per_s"], 3),
+            "ttft_s_p99": round(one["ttft_s_p99"] / other["ttft_s_p99"], 3),
+            "tokens_per_s_by_round": [round(x / y, 3) for x, y in zip(one["tokens_per_s_by_round"],
+                                                                      other["tokens_per_s_by_round"])]}
+
+
 def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
                 requests_per_client: int = 4, max_batch: int = 16, policies: tuple[str, ...] = ("off", "ucb"),
                 rounds: int = 2, others: dict[str, str] | None = None, progress=print) -> dict:
@@ -93,7 +109,7 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
         processes[-1].start()
     for pipe in pipes.values():  # no round may share the CPU with a client process starting up
         assert pipe.recv() == "ready"
-    stats = {name: {"seconds": 0.0, "served": []} for name in [*controllers, *(others or {})]}
+    stats = {name: {"seconds": 0.0, "served": [], "rounds": []} for name in [*controllers, *(others or {})]}
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     try:
         for r in range(rounds):
@@ -120,6 +136,7 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
 
                     seconds = run_clients(client, clients)
                 s["seconds"] += seconds
+                s["rounds"].append(sum(row[0] for rows in served for row in rows) / seconds)
                 for c, rows in enumerate(served):
                     for j, (tokens, latency, ttft, text) in enumerate(rows):
                         s["served"].append((tokens, latency, ttft))
@@ -138,6 +155,7 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
     for name, s in stats.items():
         tokens, latency, ttft = zip(*s["served"])
         out[name] = {"tokens_per_s": round(sum(tokens) / s["seconds"], 1),
+                     "tokens_per_s_by_round": [round(t, 1) for t in s["rounds"]],
                      "latency_s_p50": round(statistics.median(latency), 3), "latency_s_p99": p99(latency),
                      "ttft_s_p50": round(statistics.median(ttft), 3), "ttft_s_p99": p99(ttft)}
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
@@ -147,5 +165,6 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
             "http_vs_others": {name: {p: {key: round(out[f"{p}/http"][key] / out[name][key], 3)
                                           for key in ("tokens_per_s", "ttft_s_p99")} for p in policies}
                                for name in others or {}},
+            "compared": {f"{a} over {b}": _compared(out[a], out[b]) for a, b in _pairs(list(stats))},
             "greedy_requests_compared": len(greedy),
             "identical_greedy_outputs": all(len(v) == 1 for v in greedy.values())}
