@@ -6,8 +6,9 @@ request classes, each request timed with the server's resident memory before and
 size and time of /metrics and /v1/autotune/policy once the classes are in. Last, `idle`
 connections that send nothing and `slow` clients that send a request's head a byte a second,
 held (and reopened when the server closes them) from two processes of their own, while normal
-requests are timed against the same requests on the quiet server; then SIGTERM, with all of
-them still there.
+requests (each on a connection of its own, then one after another on one kept-alive connection)
+are timed against the same requests on the quiet server; then SIGTERM, with all of them still
+there.
 """
 
 from __future__ import annotations
@@ -47,6 +48,25 @@ def _call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int
     except OSError:  # refused, reset or timed out
         status, size = 0, 0
     return status, round(time.perf_counter() - start, 3), size
+
+
+def _kept_alive(base: str, body: dict, count: int) -> list[float]:
+    """Seconds of `count` POSTs of `body` one after another on one kept-alive connection, as a
+    client with a connection pool (the OpenAI SDK's httpx) sends them."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    seconds = []
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            # bytes: head and body in one send (a str body goes in a second, which Nagle holds for the ACK)
+            connection.request("POST", "/v1/completions", json.dumps(body).encode(),
+                               {"Content-Type": "application/json"})
+            connection.getresponse().read()
+            seconds.append(round(time.perf_counter() - start, 3))
+    finally:
+        connection.close()
+    return seconds
 
 
 def _head_answer(base: str, path: str, length: int) -> tuple[int, float]:
@@ -173,9 +193,11 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server
             result["rss_mb_end"] = round(_rss_mb(server.pid))
             port = int(base.rsplit(":", 1)[1])
             quiet = [_call(base + "/v1/completions", normal)[1] for _ in range(10)]
+            quiet_kept_alive = _kept_alive(base, normal, 10)
 
             def normal_requests_then_stop() -> dict:
                 timed = [_call(base + "/v1/completions", normal, timeout=30) for _ in range(10)]
+                kept_alive = _kept_alive(base, normal, 10)
                 rss, held = round(_rss_mb(server.pid)), len(os.listdir(f"/proc/{server.pid}/fd"))
                 server.send_signal(signal.SIGTERM)
                 stopped = time.perf_counter()
@@ -187,6 +209,11 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server
                         "normal_request_s": statistics.median(t[1] for t in timed),
                         "normal_request_s_max": max(t[1] for t in timed),
                         "normal_ok": sum(t[0] == 200 for t in timed),
+                        # a connection per request must get through the attackers' connects
+                        # (dropped when the listen queue is full: the client's SYN then waits its
+                        # 1 s retransmission); a kept-alive one has no connect to make
+                        "kept_alive_s_quiet": statistics.median(quiet_kept_alive),
+                        "kept_alive_s": round(statistics.median(kept_alive), 4), "kept_alive_s_each": kept_alive,
                         "rss_mb": rss, "server_descriptors_open": held,
                         "sigterm_to_exit_s": round(time.perf_counter() - stopped, 2), "exit_code": server.returncode}
 
