@@ -212,7 +212,7 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server
                         # a connection per request must get through the attackers' connects
                         # (dropped when the listen queue is full: the client's SYN then waits its
                         # 1 s retransmission); a kept-alive one has no connect to make
-                        "kept_alive_s_quiet": statistics.median(quiet_kept_alive),
+                        "kept_alive_s_quiet": round(statistics.median(quiet_kept_alive), 4),
                         "kept_alive_s": round(statistics.median(kept_alive), 4), "kept_alive_s_each": kept_alive,
                         "rss_mb": rss, "server_descriptors_open": held,
                         "sigterm_to_exit_s": round(time.perf_counter() - stopped, 2), "exit_code": server.returncode}
