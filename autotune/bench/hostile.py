@@ -50,11 +50,15 @@ def _call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int
     return status, round(time.perf_counter() - start, 3), size
 
 
+def _connection(base: str, timeout: float) -> http.client.HTTPConnection:
+    host, port = base.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
 def _kept_alive(base: str, body: dict, count: int) -> list[float]:
     """Seconds of `count` POSTs of `body` one after another on one kept-alive connection, as a
     client with a connection pool (the OpenAI SDK's httpx) sends them."""
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection = _connection(base, timeout=30)
     seconds = []
     try:
         for _ in range(count):
@@ -73,8 +77,7 @@ def _head_answer(base: str, path: str, length: int) -> tuple[int, float]:
     """(status, seconds) of a POST whose head states `length` bytes, read before its body is sent
     (as a client sending `Expect: 100-continue` would): a server that refuses a body unread
     answers here, and closes the connection on a client still sending it."""
-    host, port = base.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection = _connection(base, timeout=60)
     start = time.perf_counter()
     connection.putrequest("POST", path)
     connection.putheader("Content-Type", "application/json")
