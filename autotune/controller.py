@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 from autotune.classifier import RequestClassifier
 from autotune.coalesce import Batch, Coalescer
 from autotune.continuous import ContinuousBatch
-from autotune.counterfactual import CostModel, arm_rewards, draft_cost_owner, served_features, verify_owners
+from autotune.counterfactual import (
+    CostModel,
+    arm_rewards,
+    draft_cost_owner,
+    hybrid_estimates,
+    served_features,
+    verify_owners,
+)
 from autotune.learning import SharedLearning
 from autotune.metrics import GpuMonitor, request_features, sibling_rewards
 from autotune.rewards import RewardModel, cost_key, is_sampled
@@ -71,8 +78,13 @@ MAX_CLASS_CHARS = 120  # a label, and "@load5+" after it, fit the store's 128-ch
 
 
 def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) -> list[Arm]:
-    """OFF and every drafter at every K in ks."""
-    return [OFF] + [Arm(name, k) for name in engine.drafters for k in ks if k <= MAX_K]
+    """OFF and every drafter at every K in ks, those drafting from the target's features first:
+    a policy that tries its arms in order then plays one on a fresh controller's first request,
+    whose replay estimates the others (feature heads are replayed only on request, see
+    `AutotuneController`), where trying a small model first served that request at 0.4x the
+    best arm and taught nothing the replay would not have."""
+    names = sorted(engine.drafters, key=lambda name: not capabilities(engine.drafters[name]).features)
+    return [OFF] + [Arm(name, k) for name in names for k in ks if k <= MAX_K]
 
 
 @dataclass
@@ -628,7 +640,8 @@ class AutotuneController:
         # cannot run (layer skip; feature heads unless `replay_features`), or any drafter between
         # replays, has to tell about them; left out while replaying, each of its Ks was played
         # once to be known, K=1 too, on a new controller's requests.
-        return self._siblings(served, arm, reward, costs) | replayed
+        return self._siblings(served, arm, reward, costs) | self._hybrids(served, arm, reward, costs, requests,
+                                                                          results) | replayed
 
     def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:
         """The played drafter's other Ks, estimated from this request's rounds (`sibling_rewards`)."""
@@ -636,6 +649,16 @@ class AutotuneController:
         return sibling_rewards(metrics, arm, reward, self._ks.get(arm.drafter, ()),
                                functools.partial(costs.draft_cost, owner),
                                functools.partial(costs.verify_cost, drafter=arm.drafter))
+
+    def _hybrids(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel,
+                 requests: list[PendingRequest], results: list[GenerationResult]) -> dict:
+        """The hybrids of the played drafter (a lookup chained before it), estimated from one greedy
+        request's output and rounds (`hybrid_estimates`); sampled requests and batches tell nothing."""
+        if len(requests) != 1 or not requests[0].sampling.greedy:
+            return {}
+        request = requests[0]
+        return hybrid_estimates(self.engine, arm, metrics, reward, request.ids, results[0].tokens,
+                                request.max_new_tokens, costs, self._ks)
 
     def learn_segment(self, arm: Arm, context: Context, done: GenerationMetrics, committed: int, row_rounds: int,
                       fell_back: bool) -> None:

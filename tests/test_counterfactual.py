@@ -15,11 +15,16 @@ from autotune.counterfactual import (
     arm_rewards,
     batch_rounds,
     draft_cost_owner,
+    hybrid_estimates,
+    hybrid_rounds,
+    kept_chain,
+    ngram_chains,
     replay_arm,
     target_probabilities,
     verify_owners,
 )
 from engine import OFF, Arm, GenerationMetrics, HybridDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
+from engine.drafters import lookup_of
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +349,35 @@ def test_off_steps_among_a_requests_own_rounds_price_its_verifies_side_by_side()
     assert costs.probed == {"small": [2, 1]} and costs.since_off == 1
     assert [costs.probes_due("small", first, every) for first, every in ((3, 8), (2, 8), (2, 2))] == [True, False, True]
     assert CostModel.from_state(json.loads(json.dumps(costs.state_dict()))).state_dict() == costs.state_dict()
+
+
+def test_a_hybrid_is_estimated_from_its_inner_drafters_rounds_and_a_scan_of_the_output(target):
+    """Where the inner drafter's drafts are always kept (the target drafting for itself, greedy),
+    the estimate's rounds must be the rounds the hybrid serves: lookup wherever it proposes, the
+    inner drafter elsewhere, each round as far as its drafts are kept."""
+    engine = SpeculativeEngine(target, {"self": target, "ngram+self": HybridDrafter(target, min_match=1)})
+    lookup = lookup_of(engine.drafters["ngram+self"])
+    looked_up_somewhere = False
+    for prompt in prompts(9, seed=5):
+        output = engine.generate(prompt, Arm("self", 3), 24).tokens
+        looked_up, proposed = ngram_chains(lookup, prompt + output, len(prompt) + 1, 6, None)
+        for k in (2, 3, 6):
+            served = engine.generate(prompt, Arm("ngram+self", k), 24).metrics
+            rounds = hybrid_rounds([1.0] * 6, proposed, looked_up, k, 24)
+            widths = {w: sum(1 for drafted, _ in rounds if drafted + 1 == w) for w in {d + 1 for d, _ in rounds}}
+            assert widths == {w: r for w, (_, r) in served.verify_by_width.items()}, (prompt, k)
+            looked_up_somewhere |= any(by_lookup and drafted for drafted, by_lookup in rounds)
+    assert looked_up_somewhere
+
+    # The chain a request's rounds give: per position, kept once the ones before it were; past the
+    # request's K the last position's fall goes on
+    metrics = GenerationMetrics(rounds=10, drafted_per_position=[10, 10], accepted_per_position=[8, 4])
+    assert kept_chain(metrics, 2, 4) == pytest.approx([0.8, 0.5, 0.5, 0.5])
+    # one hybrid per drafter it chains; the played drafter's own other Ks are `sibling_rewards`'
+    played = engine.generate(prompt, Arm("self", 2), 24)
+    costs = CostModel()
+    costs.observe(Arm("self", 2), played.metrics)
+    verified(costs, 1, 0.01)
+    estimates = hybrid_estimates(engine, Arm("self", 2), played.metrics, 1.5, prompt, played.tokens, 24, costs,
+                                 {"self": [2], "ngram+self": [2, 3]})
+    assert set(estimates) == {"ngram+self:2", "ngram+self:3"} and estimates["ngram+self:3"][1] < 0.5
