@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from autotune.metrics import kept_survival
 from engine import Arm, ModelDrafter, NGramDrafter, SamplingParams, SpeculativeEngine
 from engine.drafters import capabilities, lookup_of, model_drafter_of
 from engine.feature import FeatureDrafter, Features, feature_head_of
@@ -523,9 +524,8 @@ def kept_chain(metrics, k: int, depth: int) -> list[float] | None:
     chance that draft i is kept once every earlier one was, from its rounds at constant K = `k`
     (`accepted_per_position` over every round, drafted that far or not), the fall past K
     extended geometrically as `sibling_rewards` does; None if its first drafts were never kept."""
-    row_rounds = max(metrics.rounds, metrics.drafted_per_position[0] if metrics.drafted_per_position else 0)
-    survival = [kept / row_rounds for kept in metrics.accepted_per_position[:k]] if row_rounds else []
-    if len(survival) < k or not survival[0]:
+    survival = kept_survival(metrics, k)
+    if survival is None:
         return None
     chain = [survival[0]] + [b / a if a > 0 else 0.0 for a, b in zip(survival, survival[1:])]
     return chain + [chain[-1]] * (depth - len(chain))
@@ -565,16 +565,19 @@ def hybrid_estimates(engine: SpeculativeEngine, arm: Arm, metrics, reward: float
     if chain is None:
         return {}
 
+    # Every K's rounds ask for the same few costs: a median each
+    draft_cost, verify_cost = functools.cache(costs.draft_cost), functools.cache(costs.verify_cost)
+
     def seconds(rounds: list[tuple[int, bool]], who: str, lookup: str | None) -> float | None:
         """The rounds' price: a lookup's draft (next to nothing where its drafter has not run), the
         played drafter's, and a verify after `who`'s drafts."""
         total = 0.0
         for drafted, by_lookup in rounds:
             if by_lookup:
-                draft = (costs.draft_cost(lookup, drafted) if lookup else None) or 0.0
+                draft = (draft_cost(lookup, drafted) if lookup else None) or 0.0
             else:
-                draft = costs.draft_cost(arm.drafter, drafted) if drafted else 0.0
-            verify = costs.verify_cost(drafted + 1, who)
+                draft = draft_cost(arm.drafter, drafted) if drafted else 0.0
+            verify = verify_cost(drafted + 1, who)
             if draft is None or verify is None:
                 return None
             total += draft + verify

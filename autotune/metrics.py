@@ -40,6 +40,18 @@ def request_features(ids: list[int], max_new_tokens: int, sampling: SamplingPara
     }
 
 
+def kept_survival(metrics, k: int) -> list[float] | None:
+    """Per position up to `k`, the share of a request's rounds whose draft there was kept (every
+    round counted, drafted that far or not); None if it has fewer positions or kept no first draft.
+    A request's rounds; a batch's counters add up its rows' drafts, over at least as many
+    row-rounds as rows drafted a first token."""
+    row_rounds = max(metrics.rounds, metrics.drafted_per_position[0] if metrics.drafted_per_position else 0)
+    if not row_rounds:
+        return None
+    survival = [kept / row_rounds for kept in metrics.accepted_per_position[:k]]
+    return survival if len(survival) == k and survival[0] else None
+
+
 def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int], float | None] | None = None,
                     verify_cost: Callable[[int], float | None] | None = None, exact_weight: float = 0.5,
                     extrapolated_weight: float = 0.25) -> dict[str, tuple[float, float]]:
@@ -64,11 +76,8 @@ def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int],
     """
     if arm.is_off or not metrics.draft_steps or not metrics.rounds:
         return {}
-    # A request's rounds; a batch's counters add up its rows' drafts, over at least as many row-rounds
-    # as rows drafted a first token.
-    row_rounds = max(metrics.rounds, metrics.drafted_per_position[0] if metrics.drafted_per_position else 0)
-    survival = [kept / row_rounds for kept in metrics.accepted_per_position[: arm.k]]
-    if len(survival) < arm.k or not survival[0]:
+    survival = kept_survival(metrics, arm.k)
+    if survival is None:
         return {}
     step = survival[-1] / survival[-2] if len(survival) > 1 and survival[-2] > 0 else survival[0]
     needed = {arm.k, *ks}
