@@ -14,6 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
+from autotune.corpus import DOMAINS
 from store import StoreError
 
 EXIT_FAILURE, EXIT_USAGE, EXIT_STORE = 1, 2, 3
@@ -596,12 +597,22 @@ def cmd_zoo_train(args) -> None:
 def cmd_zoo_train_head(args) -> None:
     from dataclasses import replace
 
+    from autotune.corpus import shared_corpora_dir
     from autotune.head_training import HeadSpec, train_head
 
-    spec = HeadSpec(seed=args.seed)
+    spec = HeadSpec(seed=args.seed, domain=args.domain)
     spec = replace(spec, steps=max(1, int(spec.steps * args.scale)))
     report = train_head(Path(args.family) if args.family else None, spec,
-                        out=Path(args.out) if args.out else None)
+                        out=Path(args.out) if args.out else None, corpora=shared_corpora_dir())
+    print(json.dumps(report, indent=2))
+
+
+def cmd_zoo_train_drafter(args) -> None:
+    from autotune.corpus import shared_corpora_dir
+    from autotune.zoo import train_drafter
+
+    report = train_drafter(Path(args.family) if args.family else None, args.name, args.domain,
+                           corpora=shared_corpora_dir(), steps=args.steps)
     print(json.dumps(report, indent=2))
 
 
@@ -786,12 +797,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=at_least(0.001, float), default=1.0, help="scale every member's training steps")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_zoo_train)
-    p = zoo.add_parser("train-head", help="train the feature (EAGLE-style) head for a family's target")
+    p = zoo.add_parser("train-head", help="train a feature (EAGLE-style) head for a family's target")
     p.add_argument("--family", help="model family folder (default: the built-in family)")
     p.add_argument("--out", help="folder to write the head to (default: FAMILY/feature, added to the family)")
+    p.add_argument("--domain", choices=DOMAINS, default="code",
+                   help="text to train on: code (stdlib), prose (../shared/corpora) or all (default: code)")
     p.add_argument("--scale", type=at_least(0.001, float), default=1.0, help="scale the training steps")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_zoo_train_head)
+    p = zoo.add_parser("train-drafter", help="distil a one-layer drafter from a family's target on one domain")
+    p.add_argument("name", help="the drafter's name and folder in the family (e.g. distilled-prose)")
+    p.add_argument("--domain", choices=DOMAINS, required=True,
+                   help="text to distil on: code (stdlib), prose (../shared/corpora) or all")
+    p.add_argument("--family", help="model family folder (default: the built-in family)")
+    p.add_argument("--steps", type=at_least(1), help="training steps (default: the recipe's distilled member's)")
+    p.set_defaults(func=cmd_zoo_train_drafter)
     return parser
 
 

@@ -12,6 +12,9 @@ import zlib
 from functools import lru_cache
 from pathlib import Path
 
+# What a drafter can be trained on (autotune.zoo.domain_texts): the standard library's code, the
+# shared corpora's prose, or both.
+DOMAINS = ("code", "prose", "all")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
 
 
@@ -62,20 +65,34 @@ def read_json(path: Path) -> list[dict]:
         return json.load(f)
 
 
-def shared_training_texts(corpora: Path) -> list[str]:
-    """Prose, maths, chat and creative text from the shared corpora (training parts only)."""
+def shingles(text: str, words: int = 12) -> set[int]:
+    """Every run of `words` words in a text, hashed: t0 rows under other templates show the same
+    passage, with other words around it, in the prompt or in the completion."""
+    tokens = text.split()
+    return {hash(tuple(tokens[i:i + words])) for i in range(len(tokens) - words + 1)}
+
+
+def shared_training_texts(corpora: Path, held_out: bool = False) -> list[str]:
+    """Prose, maths, chat and creative text from the shared corpora: their training parts, or
+    with `held_out` the parts kept from training."""
     texts = []
-    for row in read_jsonl(corpora / "t0_prose.jsonl"):
+    rows = read_jsonl(corpora / "t0_prose.jsonl")
+    # The prose classes draw held-out rows; other rows show the same passage under another
+    # template (as prompt, or as the completion asked for), so those stay out of training too.
+    shown = set().union(*(shingles(row["prompt"] + row["completion"]) for row in rows
+                          if is_held_out(row["prompt"] + row["completion"])))
+    for row in rows:
         text = row["prompt"] + row["completion"]
-        if not is_held_out(text):
+        if is_held_out(text) if held_out else shown.isdisjoint(shingles(text)):
             texts.append(text)
-    for row in read_jsonl(corpora / "gsm8k_train.jsonl"):
+    for row in read_jsonl(corpora / ("gsm8k_test.jsonl" if held_out else "gsm8k_train.jsonl")):
         texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
     for name in ("gpteacher_roleplay.json", "gpteacher_toolformer.json"):
         for row in read_json(corpora / name):
-            text = f"{row['instruction']}\n{row.get('input', '')}\n{row['response']}"
-            if not is_held_out(text):
-                texts.append(text)
+            # split by instruction, as the chat and structured classes draw their prompts
+            if is_held_out(row["instruction"]) == held_out:
+                texts.append(f"{row['instruction']}\n{row.get('input', '')}\n{row['response']}")
     shakespeare = (corpora / "tinyshakespeare.txt").read_text(encoding="utf-8")
-    texts.append(shakespeare[: int(len(shakespeare) * 0.9)])
+    split = int(len(shakespeare) * 0.9)
+    texts.append(shakespeare[split:] if held_out else shakespeare[:split])
     return texts

@@ -10,9 +10,10 @@ Each pass's loss is the cross-entropy of the target's distribution p_{t+2} under
 (through the target's LM head) plus a smooth-L1 pull of the predicted feature towards the real
 one (EAGLE-1), which keeps the feature fed to the next draft step in the target's space.
 
-The windows are the family's training text and text the target generates from training
-prompts, sampled at temperature 1 and greedily (greedy requests draft along the target's
-greedy path), as the distilled drafter is trained. Deterministic from the seed.
+The windows are text of the head's domain (`autotune.zoo.domain_texts`: the family's code by
+default) and text the target generates from that text's prompts, sampled at temperature 1 and
+greedily (greedy requests draft along the target's greedy path), as the distilled drafter is
+trained. Deterministic from the seed.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autotune.corpus import stdlib_texts
-from autotune.zoo import FamilySpec, copy_texts, encode_stream, family_dir, lr_at, random_windows, sample_from
+from autotune.zoo import FamilySpec, domain_texts, encode_stream, family_dir, lr_at, random_windows, sample_from
 from engine.feature import FeatureHead, HeadConfig
 from engine.identity import weights_hash
 
@@ -44,6 +44,7 @@ class HeadSpec:
     ffn: int = 512
     feature_weight: float = 0.2  # smooth-L1 on features, against the cross-entropy
     generated: int = 192  # target-written windows, half sampled, half greedy
+    domain: str = "code"  # the text it trains on (autotune.zoo.DOMAINS)
     seed: int = 0
 
 
@@ -79,9 +80,10 @@ def head_losses(head: FeatureHead, target, windows: torch.Tensor,
 
 
 def train_head(folder: Path | None = None, spec: HeadSpec = HeadSpec(), progress: bool = True,
-               out: Path | None = None) -> dict:
-    """Train the feature head for the target of the family in `folder` (the committed one by
-    default) and save it as `folder/feature` (or `out`); returns the report."""
+               out: Path | None = None, corpora: Path | None = None) -> dict:
+    """Train a feature head for the target of the family in `folder` (the committed one by
+    default) and save it as `folder/feature` (or `out`; a folder inside the family is listed among
+    its feature heads); returns the report. `corpora` is where the prose domain's text is."""
     folder = family_dir(folder)
     manifest = json.loads((folder / "family.json").read_text())
     target_dir = folder / manifest["target"]
@@ -92,8 +94,8 @@ def train_head(folder: Path | None = None, spec: HeadSpec = HeadSpec(), progress
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     target.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    stream = encode_stream(tokenizer, stdlib_texts(held_out=False) + copy_texts(family.copy_examples, family.seed))
-    held = encode_stream(tokenizer, stdlib_texts(held_out=True))
+    stream = encode_stream(tokenizer, domain_texts(spec.domain, family, corpora))
+    held = encode_stream(tokenizer, domain_texts(spec.domain, family, corpora, held_out=True))
     prompt_len = 32
     prompts = random_windows(stream, spec.generated, prompt_len, gen)[:, :prompt_len]
     half = spec.generated // 2
@@ -135,7 +137,7 @@ def train_head(folder: Path | None = None, spec: HeadSpec = HeadSpec(), progress
     out = Path(out) if out is not None else folder / HEAD_NAME
     head.to(torch.float16).save(out, report)
     if out.parent == folder:
-        manifest["feature_head"] = out.name
+        manifest["feature_heads"] = [h for h in manifest.get("feature_heads", []) if h != out.name] + [out.name]
         (folder / "family.json").write_text(json.dumps(manifest, indent=2))
     if progress:
         print(f"feature head: held-out top-1 agreement {report['held_out_top1_agreement']},"

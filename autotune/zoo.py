@@ -20,9 +20,16 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
-from autotune.corpus import shared_training_texts, stdlib_texts
+from autotune.corpus import DOMAINS, shared_training_texts, stdlib_texts
 from engine.identity import weights_hash
 from engine.runner import cache_argument
 
@@ -99,6 +106,21 @@ def copy_texts(n: int, seed: int) -> list[str]:
     examples = [edit_example(source, node) for _, source, node in stdlib_functions(held_out=False)]
     examples = [a + b + "\n" for a, b in (e for e in examples if e is not None)]
     return random.Random(seed).sample(examples, min(n, len(examples)))
+
+
+def domain_texts(domain: str, family: FamilySpec, corpora: Path | None, held_out: bool = False) -> list[str]:
+    """A drafter's training text: `code` (the standard library and the copy examples), `prose`
+    (the shared corpora's English prose, maths, chat and creative text) or `all` (both)."""
+    if domain not in DOMAINS:
+        raise ValueError(f"unknown domain {domain!r}; one of {list(DOMAINS)}")
+    code = stdlib_texts(held_out) if held_out else stdlib_texts(False) + copy_texts(family.copy_examples, family.seed)
+    if domain == "code":
+        return code
+    if corpora is None:
+        raise ValueError(f"the {domain} domain draws on the shared corpora, and none was found "
+                         "(../shared/corpora or $AUTOTUNE_CORPORA)")
+    prose = shared_training_texts(corpora, held_out)
+    return prose if domain == "prose" else code + prose
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -252,9 +274,7 @@ def train_family(
 ) -> dict:
     """Train tokenizer + every member and save them under out_dir/<name>; returns the report."""
     torch.manual_seed(family.seed)
-    texts = stdlib_texts(held_out=False) + copy_texts(family.copy_examples, family.seed)
-    if corpora is not None:
-        texts = texts + shared_training_texts(corpora)
+    texts = domain_texts("code" if corpora is None else "all", family, corpora)
     started = time.perf_counter()
     tokenizer = train_tokenizer(texts, family.vocab_size)
     stream = encode_stream(tokenizer, texts)
@@ -288,6 +308,37 @@ def train_family(
     return manifest
 
 
+def train_drafter(folder: Path | None, name: str, domain: str, corpora: Path | None = None,
+                  steps: int | None = None, progress: bool = True) -> dict:
+    """Distil a one-layer drafter from the target of the family in `folder` (the committed one by
+    default) on one domain's text and on what the target writes after that text's prompts, as the
+    recipe's `distilled` member is trained on all of it; saved as `folder/name` and listed among
+    the family's drafters. Returns its report."""
+    folder = family_dir(folder)
+    manifest = json.loads((folder / "family.json").read_text())
+    if name == manifest["target"] or name in manifest.get("feature_heads", []):
+        raise ValueError(f"{name!r} is already the family's target or a feature head")
+    family = FamilySpec(**{k: v for k, v in manifest["family"].items() if k != "members"})
+    general = next(ModelSpec(**m) for m in manifest["family"]["members"] if m["name"] == "distilled")
+    spec = replace(general, name=name, steps=steps or general.steps)
+
+    def load(member: str) -> LlamaForCausalLM:
+        return AutoModelForCausalLM.from_pretrained(folder / member, dtype=torch.float32).eval()
+
+    trained = {"target": load(manifest["target"]), spec.init_from: load(spec.init_from)}
+    tokenizer = AutoTokenizer.from_pretrained(folder / manifest["target"])
+    stream = encode_stream(tokenizer, domain_texts(domain, family, corpora))
+    held = encode_stream(tokenizer, domain_texts(domain, family, corpora, held_out=True))
+    eval_windows = random_windows(held, 16, family.seq_len, torch.Generator().manual_seed(1234))
+    model, report = train_member(spec, family, stream, eval_windows, tokenizer.eos_token_id, trained, progress)
+    model.to(torch.float16).save_pretrained(folder / name)
+    tokenizer.save_pretrained(folder / name)
+    manifest["members"][name] = {**report, "domain": domain, "training_tokens": stream.numel()}
+    manifest["drafters"] = [d for d in manifest["drafters"] if d != name] + [name]
+    (folder / "family.json").write_text(json.dumps(manifest, indent=2))
+    return manifest["members"][name]
+
+
 def family_dir(path: Path | None = None) -> Path:
     """The committed default family, or a folder given by the user."""
     folder = Path(path) if path is not None else DEFAULT_FAMILY_DIR
@@ -302,13 +353,14 @@ def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[
                 ngram: bool = True, compile: bool | None = None, dtype: torch.dtype | None = None,
                 prefix_cache_tokens: int = 0):
     """An engine over a trained family: its target, its drafters (all by default: the model
-    drafters and the feature head, where the family has one), n-gram lookup and, with the
-    distilled drafter and with the feature head, the hybrids (`ngram+distilled`, `ngram+feature`)."""
+    drafters and its feature heads), n-gram lookup and, with each drafter distilled from the
+    target and each feature head, a hybrid (`ngram+distilled`, `ngram+feature`, ...)."""
     from engine import HybridDrafter, NGramDrafter, SpeculativeEngine
 
     folder = family_dir(folder)
     manifest = json.loads((folder / "family.json").read_text())
-    available = manifest["drafters"] + ([manifest["feature_head"]] if manifest.get("feature_head") else [])
+    heads = manifest.get("feature_heads", [])
+    available = manifest["drafters"] + heads
     names = available if drafters is None else drafters
     unknown = set(names) - set(available)
     if unknown:
@@ -319,10 +371,11 @@ def load_engine(folder: Path | None = None, device: str = "cpu", drafters: list[
         engine.add_drafter(name, folder / name)
     if ngram:
         engine.add_drafter("ngram", NGramDrafter(max_ngram=3))
-        if "distilled" in engine.drafters:  # the same weights, a cache of its own
-            engine.add_drafter("ngram+distilled", HybridDrafter(engine.drafters["distilled"].model, max_ngram=3))
-        if (head := manifest.get("feature_head")) in engine.drafters:  # one head: requests take turns on it
-            engine.add_drafter(f"ngram+{head}", HybridDrafter(engine.drafters[head], max_ngram=3))
+        for name in names:
+            if name in heads:  # one head: requests take turns on it
+                engine.add_drafter(f"ngram+{name}", HybridDrafter(engine.drafters[name], max_ngram=3))
+            elif manifest["members"][name]["spec"]["distill_from_target"]:  # the same weights, a cache of its own
+                engine.add_drafter(f"ngram+{name}", HybridDrafter(engine.drafters[name].model, max_ngram=3))
     hashes = {name: weights_hash(folder / name) for name in [manifest["target"], *names]}
     engine.identity = ";".join(f"{n}@{h}" for n, h in hashes.items())
     engine.model_records = [
