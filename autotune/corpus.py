@@ -79,12 +79,12 @@ def shared_training_texts(corpora: Path, held_out: bool = False) -> list[str]:
     rows = read_jsonl(corpora / "t0_prose.jsonl")
     # The prose classes draw held-out rows; other rows show the same passage under another
     # template (as prompt, or as the completion asked for), so those stay out of training too.
-    shown = set().union(*(shingles(row["prompt"] + row["completion"]) for row in rows
-                          if is_held_out(row["prompt"] + row["completion"])))
-    for row in rows:
-        text = row["prompt"] + row["completion"]
-        if is_held_out(text) if held_out else shown.isdisjoint(shingles(text)):
-            texts.append(text)
+    t0 = [row["prompt"] + row["completion"] for row in rows]
+    if held_out:
+        texts += [text for text in t0 if is_held_out(text)]
+    else:
+        shown = set().union(*(shingles(text) for text in t0 if is_held_out(text)))
+        texts += [text for text in t0 if shown.isdisjoint(shingles(text))]
     for row in read_jsonl(corpora / ("gsm8k_test.jsonl" if held_out else "gsm8k_train.jsonl")):
         texts.append(f"Question: {row['question']}\nAnswer: {row['answer']}")
     for name in ("gpteacher_roleplay.json", "gpteacher_toolformer.json"):

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autotune.zoo import FamilySpec, domain_texts, encode_stream, family_dir, lr_at, random_windows, sample_from
+from autotune.zoo import domain_texts, encode_stream, family_dir, lr_at, random_windows, recipe_of, sample_from
 from engine.feature import FeatureHead, HeadConfig
 from engine.identity import weights_hash
 
@@ -87,7 +87,7 @@ def train_head(folder: Path | None = None, spec: HeadSpec = HeadSpec(), progress
     folder = family_dir(folder)
     manifest = json.loads((folder / "family.json").read_text())
     target_dir = folder / manifest["target"]
-    family = FamilySpec(**{k: v for k, v in manifest["family"].items() if k != "members"})
+    family = recipe_of(manifest)
     torch.manual_seed(spec.seed)
     gen = torch.Generator().manual_seed(spec.seed)
     started = time.perf_counter()

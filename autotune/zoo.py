@@ -318,7 +318,7 @@ def train_drafter(folder: Path | None, name: str, domain: str, corpora: Path | N
     manifest = json.loads((folder / "family.json").read_text())
     if name == manifest["target"] or name in manifest.get("feature_heads", []):
         raise ValueError(f"{name!r} is already the family's target or a feature head")
-    family = FamilySpec(**{k: v for k, v in manifest["family"].items() if k != "members"})
+    family = recipe_of(manifest)
     general = next(ModelSpec(**m) for m in manifest["family"]["members"] if m["name"] == "distilled")
     spec = replace(general, name=name, steps=steps or general.steps)
 
@@ -337,6 +337,11 @@ def train_drafter(folder: Path | None, name: str, domain: str, corpora: Path | N
     manifest["drafters"] = [d for d in manifest["drafters"] if d != name] + [name]
     (folder / "family.json").write_text(json.dumps(manifest, indent=2))
     return manifest["members"][name]
+
+
+def recipe_of(manifest: dict) -> FamilySpec:
+    """The recipe a family was trained with, its members aside (from its family.json)."""
+    return FamilySpec(**{k: v for k, v in manifest["family"].items() if k != "members"})
 
 
 def family_dir(path: Path | None = None) -> Path:
