@@ -26,6 +26,7 @@ from engine import OFF, Arm
 from policies.base import Context, Outcome, Policy
 
 PRIOR_VARIANCE = 0.25  # reward variance assumed before an arm has data (reward ~ 1 +- 0.5)
+LEVELS_KEY = "__load_levels__"  # the state's policy-wide entry: each load's fitted arm effects
 
 
 def _load_of(key: str) -> str:
@@ -144,6 +145,16 @@ class LoadTotals:
         self.changes = 0  # updates taken in since summed afresh
         # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
         self.effects, self.mean_level = fit_levels(tables)
+
+    def fit_state(self) -> dict:
+        """The fit and how far it is from the next one: with the keys, what the next new key's
+        prior depends on."""
+        return {"effects": self.effects, "mean_level": self.mean_level, "changes": self.changes}
+
+    def restore_fit(self, saved: dict) -> None:
+        self.effects = {arm: float(v) for arm, v in saved.get("effects", {}).items()}
+        self.mean_level = float(saved.get("mean_level", 0.0))
+        self.changes = int(saved.get("changes", 0))
 
     def add(self, table: ArmTable, sign: float = 1.0) -> None:
         """Put a key's sums in (sign -1: take them out); the count of keys is the caller's."""
@@ -416,11 +427,21 @@ class BanditPolicy(Policy):
 
     # ----- persistence --------------------------------------------------------------------
     def state_dict(self) -> dict[str, dict]:
-        return {key: table.to_dict() for key, table in self.tables.items()}
+        state = {key: table.to_dict() for key, table in self.tables.items()}
+        # A new key's prior comes from its load's arm effects as last fitted, and they are
+        # refitted every so many updates: saved, so that a policy resumed from this state seeds
+        # new keys as the one that saved it would have (a fold of the journal from a checkpoint
+        # then learns what the whole fold learns, learning.py), not from effects fitted afresh.
+        state[LEVELS_KEY] = {load: totals.fit_state() for load, totals in self._totals.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, dict]) -> None:
+        state = dict(state)
+        levels = state.pop(LEVELS_KEY, {})
         self.tables = {key: ArmTable.from_dict(self.arm_names, table_state) for key, table_state in state.items()}
         self._totals.clear()
+        for load, saved in levels.items():
+            self._load_totals(load).restore_fit(saved)
 
 
 class UCBPolicy(BanditPolicy):
