@@ -134,9 +134,9 @@ def _serve_llamacpp(args) -> None:
     if args.target or args.arm:
         raise ValueError("--backend llamacpp serves the family (--family), with the controller's --policy;"
                          " --target and --arm are for this project's engine")
-    llama = _llamacpp(args)
+    llama, ggufs = _llamacpp(args)
     family = Path(args.family) if args.family else DEFAULT_FAMILY_DIR
-    backend, servers = LlamaCppBackend.start(llama.server, family_servers({n: llama.gguf(n) for n in LLAMACPP_MEMBERS}))
+    backend, servers = LlamaCppBackend.start(llama.server, family_servers(ggufs))
     try:
         tokenizer = AutoTokenizer.from_pretrained(family / "target")
         context = AutoConfig.from_pretrained(family / "target").max_position_embeddings
@@ -260,7 +260,8 @@ def cmd_bench(args) -> None:
 
 
 def _llamacpp(args):
-    """llama-server built and the family converted (each step skipped when done)."""
+    """llama-server built and the family converted (each step skipped when done): the build and
+    {member: GGUF file}."""
     from autotune.backends import setup
     from autotune.zoo import DEFAULT_FAMILY_DIR
 
@@ -278,9 +279,9 @@ def _bench_backends(args, bench) -> dict:
     from autotune.classes import builtin_classes
     from autotune.zoo import DEFAULT_FAMILY_DIR
 
-    llama = _llamacpp(args)
+    llama, ggufs = _llamacpp(args)
     family = Path(args.family) if args.family else DEFAULT_FAMILY_DIR
-    specs = family_servers({n: llama.gguf(n) for n in LLAMACPP_MEMBERS})
+    specs = family_servers(ggufs)
     backend, servers = LlamaCppBackend.start(llama.server, specs, cache_prompt=False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(family / "target")
@@ -304,8 +305,8 @@ def _bench_backends(args, bench) -> dict:
 
 
 def cmd_llamacpp(args) -> None:
-    llama = _llamacpp(args)
-    print(json.dumps({"llama_server": str(llama.server), **{n: str(llama.gguf(n)) for n in LLAMACPP_MEMBERS}},
+    llama, ggufs = _llamacpp(args)
+    print(json.dumps({"llama_server": str(llama.server), **{n: str(path) for n, path in ggufs.items()}},
                      indent=2))
 
 

@@ -56,21 +56,25 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def llama():
-    """llama.cpp built with the family's target and distilled drafter in GGUF."""
+    """llama.cpp's server, built."""
     llama = LlamaCpp(default_dir())
     if not llama.server.exists():
         if os.environ.get("AUTOTUNE_REQUIRE_LLAMACPP"):
             pytest.fail(f"AUTOTUNE_REQUIRE_LLAMACPP is set but {llama.server} is not built: run `autotune llamacpp`")
         pytest.skip("llama-server not built: `autotune llamacpp` builds it")
-    for name in MEMBERS:
-        llama.convert(name, DEFAULT_FAMILY_DIR / name)
     return llama
 
 
 @pytest.fixture(scope="module")
-def llama_servers(llama):
+def ggufs(llama):
+    """The family's target and distilled drafter in GGUF."""
+    return {name: llama.convert(DEFAULT_FAMILY_DIR / name) for name in MEMBERS}
+
+
+@pytest.fixture(scope="module")
+def llama_servers(llama, ggufs):
     """OFF, the distilled draft model, n-gram lookup of 4 tokens: three llama-server processes."""
-    specs = family_servers({n: llama.gguf(n) for n in MEMBERS}, drafters=("distilled",), ngram_ks=(4,), threads=1)
+    specs = family_servers(ggufs, drafters=("distilled",), ngram_ks=(4,), threads=1)
     backend, servers = LlamaCppBackend.start(llama.server, specs, timeout_s=30)
     yield backend, servers
     for server in servers:
@@ -113,15 +117,23 @@ def joint_of_tokens_1_and_2(ids: list[int], top: int = 24) -> torch.Tensor:
 
 
 def sampled_p_value(post, ids: list[int], samples: int, expected: torch.Tensor, likeliest: list[int]) -> float:
-    """Chi-square p-value of `samples` draws of the first two tokens (`post(seed)`: the tokens)
-    against `expected`; cells expected fewer than 5 times pooled."""
+    """Chi-square p-value of `samples` draws of the first two tokens (`post(seed)`: the tokens, or
+    None where llama-server could not return them) against `expected`; cells expected fewer than 5
+    times pooled. Draws llama-server fails on (output that is not valid UTF-8, llama.cpp#27543) are
+    left out: at most 1 % of them, a bias far below what the test can see."""
     from scipy.stats import chisquare
 
     vocab = (len(expected) - 1) // len(likeliest)
     counts = torch.zeros(len(expected))
+    failed = 0
     for seed in range(samples):
-        first, second = post(seed)[:2]
+        tokens = post(seed)
+        if tokens is None:
+            failed += 1
+            continue
+        first, second = tokens[:2]
         counts[likeliest.index(first) * vocab + second if first in likeliest else -1] += 1
+    assert failed <= samples // 100, f"{failed} of {samples} draws failed"
     expected = expected * samples
     keep = expected >= 5
     f_obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
@@ -138,8 +150,13 @@ def test_llamacpp_sampling_follows_the_target_and_the_test_can_tell(llama_server
     expected, likeliest = joint_of_tokens_1_and_2(ids)
     arm = Arm("distilled", 3)
 
-    def served(seed: int) -> list[int]:
-        return backend.serve(BackendRequest(ids, 3, temperature=1.0, seed=seed), arm).tokens
+    def served(seed: int) -> list[int] | None:
+        try:
+            return backend.serve(BackendRequest(ids, 3, temperature=1.0, seed=seed), arm).tokens
+        except BackendError as exc:
+            if "not valid UTF-8" not in str(exc):
+                raise
+            return None
 
     assert sum(backend.serve(BackendRequest(ids, 3, 1.0, seed=s), arm).drafted for s in range(20)) > 0
     assert sampled_p_value(served, ids, 2000, expected, likeliest) > 1e-3  # seen: 0.099
@@ -148,7 +165,8 @@ def test_llamacpp_sampling_follows_the_target_and_the_test_can_tell(llama_server
     def llamas_defaults(seed: int) -> list[int]:
         body = backend.body(BackendRequest(ids, 3, temperature=1.0, seed=seed), arm)
         del body["top_k"], body["min_p"]
-        return client.post(backend.url(arm) + "/completion", json=body).json()["tokens"]
+        answer = client.post(backend.url(arm) + "/completion", json=body).json()
+        return None if "Failed to parse input" in answer.get("error", {}).get("message", "") else answer["tokens"]
 
     assert sampled_p_value(llamas_defaults, ids, 500, expected, likeliest) < 1e-3  # seen: 3e-41
 
@@ -177,11 +195,11 @@ def test_controller_on_llamacpp_learns_bounded_rewards_and_resumes(llama_servers
         assert resumed.costs.off_rate(1) == off_rate  # no OFF request needed after a restart
 
 
-def test_llamacpp_down_or_silent_fails_fast_with_its_address(llama, llama_servers, prompts):
+def test_llamacpp_down_or_silent_fails_fast_with_its_address(llama, ggufs, llama_servers, prompts):
     """A server that is gone: the request goes to OFF, naming the failure; a server that accepts
     but never answers: an error at the timeout, not a hang."""
     backend, servers = llama_servers
-    gone = family_servers({n: llama.gguf(n) for n in MEMBERS}, drafters=("distilled",), ngram_ks=(), threads=1)
+    gone = family_servers(ggufs, drafters=("distilled",), ngram_ks=(), threads=1)
     spare, [off, drafter] = LlamaCppBackend.start(llama.server, gone, timeout_s=30)
     try:
         drafter.stop()

@@ -143,7 +143,7 @@ def family():
 def test_transformers_text_iterator_streamer_yields_the_requests_text(family):
     ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
     streamer = TextIteratorStreamer(family.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    result = ctl.generate("def parse_args(argv):\n", request_class="code", max_new_tokens=48, streamer=streamer)
+    result = ctl.generate("def parse_args(argv):\n    ", request_class="code", max_new_tokens=48, streamer=streamer)
     assert "".join(streamer) == result.text and len(result.text) > 20
 
 
@@ -151,7 +151,7 @@ def test_a_stop_string_ends_the_output_and_its_stream_at_the_token_that_complete
     """The stream, token-level as transformers' streamers are, holds the stop string; the result's
     text ends before it unless include_stop_str_in_output."""
     ctl = AutotuneController(family, policy="static", arms=[OFF], arm="ngram+distilled:4")
-    prompt = "def parse_args(argv):\n"
+    prompt = "def parse_args(argv):\n    "
     free = ctl.generate(prompt, request_class="code", max_new_tokens=48)
     stop = free.text[len(free.text) // 2:][:3]
     results, streamed = [], []

@@ -2,6 +2,7 @@
 
 import base64
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from autotune.classes import RequestClass, Workload
 from autotune.cli import main
 from autotune.controller import AutotuneController
 from autotune.tune import add_tuned_skip_sets, load_priors, seed_from_studies, tune_class, tune_skip_sets
+from autotune.zoo import DEFAULT_FAMILY_DIR
 from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
 from policies import Context
 from store import Store
@@ -169,7 +171,8 @@ def test_demo_runs_end_to_end_on_the_committed_family(tmp_path, capsys):
     assert "arm_now" in out and url in out
     with Store(url) as store:
         assert store.count() == 8
-        assert {m["name"] for m in store.models()} == {"target", "small", "medium", "distilled", "feature"}
+        family = json.loads((DEFAULT_FAMILY_DIR / "family.json").read_text())
+        assert {m["name"] for m in store.models()} == {family["target"], *family["drafters"], *family["feature_heads"]}
         assert all(o["engine_identity"].startswith("target@") for o in store.observations())
 
 

@@ -44,12 +44,13 @@ def test_a_drafter_and_a_head_trained_on_a_domain_join_the_family_and_decode_los
 
     monkeypatch.setattr(zoo, "domain_texts", few_files)
     monkeypatch.setattr(head_training, "domain_texts", few_files)
+    heads = json.loads((folder / "family.json").read_text())["feature_heads"]
     report = train_drafter(folder, "distilled-x", "code", steps=3, progress=False)
     assert report["domain"] == "code" and report["spec"]["distill_from_target"]
     train_head(folder, HeadSpec(steps=2, generated=4), progress=False, out=folder / "feature-x")
 
     manifest = json.loads((folder / "family.json").read_text())
-    assert manifest["drafters"][-1] == "distilled-x" and manifest["feature_heads"] == ["feature", "feature-x"]
+    assert manifest["drafters"][-1] == "distilled-x" and manifest["feature_heads"] == [*heads, "feature-x"]
     engine = load_engine(folder, drafters=["distilled-x", "feature-x"])
     assert {"distilled-x", "feature-x", "ngram+distilled-x", "ngram+feature-x"} <= set(engine.drafters)
     prompt = stdlib_texts(held_out=True)[0][:400]

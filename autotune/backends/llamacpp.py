@@ -180,9 +180,10 @@ class LlamaCppBackend:
         try:
             with self._client.stream("POST", url + "/completion", json=body) as answer:
                 if answer.status_code != 200:
-                    raise BackendError(f"llama.cpp server for {arm} at {url} answered {answer.status_code}:"
-                                       f" {answer.read()[:500]!r}")
+                    raise _server_error(arm, url, answer.status_code, answer.read()[:500].decode(errors="replace"))
                 out = _streamed(answer, on_tokens) if on_tokens is not None else json.loads(answer.read())
+                if "error" in out:  # a stream that fails part way ends with an error event
+                    raise _server_error(arm, url, out["error"].get("code"), json.dumps(out["error"]))
         except httpx.TimeoutException:
             raise BackendError(f"llama.cpp server for {arm} at {url}: no answer in {self.timeout_s:g} s") from None
         except httpx.HTTPError as exc:
@@ -214,14 +215,25 @@ class LlamaCppBackend:
         self._client.close()
 
 
+def _server_error(arm: Arm, url: str, status: int | None, detail: str) -> BackendError:
+    # llama-server parses every output as a chat message, and its parser fails on text that is not
+    # valid UTF-8 (a byte-level token cut off by n_predict, or sampled alone): ggml-org/llama.cpp#27543.
+    if "Failed to parse input" in detail:
+        detail = f"its output is not valid UTF-8, which llama-server cannot return (llama.cpp#27543): {detail}"
+    return BackendError(f"llama.cpp server for {arm} at {url} answered {status}: {detail}")
+
+
 def _streamed(answer: httpx.Response, on_tokens: TokenSink) -> dict:
     """A streamed /completion read to its end: the last event (timings, stop type) with the
-    content and tokens of every event, each event's tokens handed to `on_tokens` on arrival."""
+    content and tokens of every event, each event's tokens handed to `on_tokens` on arrival; or
+    the error event that ended it."""
     text, tokens, last = [], [], {}
     for line in answer.iter_lines():
         if not line.startswith("data: "):
             continue
         last = json.loads(line[6:])
+        if "error" in last:
+            return last
         text.append(last.get("content", ""))
         if fresh := last.get("tokens"):
             tokens += fresh

