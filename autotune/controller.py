@@ -58,7 +58,7 @@ from engine import (
     SpeculativeEngine,
     Streamer,
 )
-from engine.drafters import capabilities
+from engine.drafters import capabilities, lookup_of
 from engine.feature import Features
 from engine.streaming import Cancellable, EndsOnce, end_stream
 from policies import Context, Outcome, Policy, PolicyError, make_policy
@@ -85,6 +85,13 @@ def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) ->
     best arm and taught nothing the replay would not have."""
     names = sorted(engine.drafters, key=lambda name: not capabilities(engine.drafters[name]).features)
     return [OFF] + [Arm(name, k) for name in names for k in ks if k <= MAX_K]
+
+
+def feature_heads(engine: SpeculativeEngine) -> list[str]:
+    """The engine's drafters that draft from the target's features on their own (hybrids that
+    look up first left out)."""
+    return [name for name, drafter in engine.drafters.items()
+            if capabilities(drafter).features and lookup_of(drafter) is None]
 
 
 @dataclass
@@ -204,13 +211,18 @@ class AutotuneController:
       requests score every other arm by replay; after that replays run only while they stay
       within `counterfactual_budget` of the key's serving time (a 16-row burst: 150 ms greedy,
       570 ms sampled, against 0.6-1.0 s to serve it OFF on the demo family). The policy weighs
-      a replayed estimate at `counterfactual_weight` of a measured reward. `replay_features`:
+      a replayed estimate at `counterfactual_weight` of a measured reward: as much, by default
+      (greedy replays keep exactly the drafts serving would; their prices err by 3-4 %). At
+      half, a class whose first request lost could not afford the arm its replays found best and
+      sat at OFF (the many-classes bench's structured markup, 0.85x OFF). `replay_features`:
       replay feature heads and their hybrids too (exact when greedy): from the target's features
       a head was handed serving the request, else by running the target over the whole
-      sequence (57-64 ms on a 678-token request of the demo family). Either costs more than it
-      teaches so far: the head's K steps from every position take 12-23 ms on the demo family's
-      64-token requests (a model drafter's replay 3-5 ms), and the many-classes bench ran 1-3 %
-      slower with it; without it they are learned when played.
+      sequence (57-64 ms on a 678-token request). A head's K steps from every position take
+      12-23 ms on 64-token requests (a model drafter's replay 3-5 ms). With one head that costs
+      more than it teaches (the many-classes bench ran 1-3 % slower with it: the head's other Ks
+      are estimated from the request played); with heads for different domains it is how a class
+      finds its head, which one request on the wrong text otherwise prices for every class.
+      None (the default): on when the engine has more than one feature head.
     - `max_batch` > 1: single requests waiting at the same moment are served as one batch (at
       most `batch_wait_ms` of waiting for the rest), of any classes (keyed MIXED_CLASS when they
       differ) unless `mix_classes=False`.
@@ -240,8 +252,8 @@ class AutotuneController:
         remeasure_off_every: int = 64,
         counterfactual_requests: int = 1,
         counterfactual_budget: float = 0.01,
-        counterfactual_weight: float = 0.5,
-        replay_features: bool = False,
+        counterfactual_weight: float = 1.0,
+        replay_features: bool | None = None,
         max_batch: int = 1,
         batch_wait_ms: float = 2.0,
         mix_classes: bool = True,
@@ -279,7 +291,7 @@ class AutotuneController:
         self.counterfactual_requests = counterfactual_requests
         self.counterfactual_budget = counterfactual_budget
         self.counterfactual_weight = counterfactual_weight
-        self.replay_features = replay_features
+        self.replay_features = len(feature_heads(engine)) > 1 if replay_features is None else replay_features
         self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
         self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning, last replay s
         self.gpu = GpuMonitor()
@@ -619,8 +631,7 @@ class AutotuneController:
             replay = learning or share[1] + share[2] <= self.counterfactual_budget * share[0]
             if replay:  # other threads' requests go on adding to the costs while this one replays
                 costs = copy.deepcopy(costs)
-                worth = [a for a in self.policy.worth_replaying(context) if self.replay_features or a.is_off
-                         or not capabilities(self.engine.drafters[a.drafter]).features]
+                worth = self._worth_replaying(context, learning)
         if replay and off_step is not None:
             served_requests = [(r.ids, result.tokens, r.max_new_tokens) for r, result in zip(requests, results)]
             started = time.perf_counter()
@@ -642,6 +653,20 @@ class AutotuneController:
         # once to be known, K=1 too, on a new controller's requests.
         return self._siblings(served, arm, reward, costs) | self._hybrids(served, arm, reward, costs, requests,
                                                                           results) | replayed
+
+    def _worth_replaying(self, context: Context, learning: bool) -> list[Arm]:
+        """The arms to replay: those the policy finds worth it, feature heads only with
+        `replay_features`, and then, on a key's first request, every head's arm. What the other
+        classes measured of a head comes from their text: after code classes had priced the prose
+        head, no prose class that came later replayed or played it (0.69 of the oracle after the
+        drift bench's flip), although it was their fastest arm."""
+        def is_head(arm: Arm) -> bool:
+            return not arm.is_off and capabilities(self.engine.drafters[arm.drafter]).features
+
+        worth = [a for a in self.policy.worth_replaying(context) if self.replay_features or not is_head(a)]
+        if learning and self.replay_features:
+            worth += [a for a in self.policy.arms if is_head(a) and a not in worth]
+        return worth
 
     def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:
         """The played drafter's other Ks, estimated from this request's rounds (`sibling_rewards`)."""

@@ -235,14 +235,10 @@ class BanditPolicy(Policy):
         if explicit:
             source, variance = explicit, PRIOR_VARIANCE
         else:
-            # Costs follow the load, acceptance the class: other classes at this load first.
-            same_load = self._load_totals(_load_of(context.key))
-            if same_load.keys:
-                # Never more pseudo-observations than the others' own: an arm one request measured
-                # elsewhere is still uncertain here.
-                source = {arm: (mean, min(self.prior_weight, same_load.n[arm]))
-                          for arm, mean in same_load.leveled(table, same_load.means()).items()}
-                variance = same_load.variance / same_load.keys
+            # Costs follow the load, acceptance the class: other classes at this load are added at
+            # each decision (`_with_shared_prior`), fading as this key's own evidence grows.
+            if self._load_totals(_load_of(context.key)).keys:
+                return table
             else:
                 same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
                 tables = same_class or list(self.tables.values())

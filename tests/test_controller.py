@@ -260,6 +260,37 @@ def test_feature_heads_are_replayed_when_asked_from_the_features_a_head_was_serv
         assert any(forwards) == target_run, (played, asked)
 
 
+class PlaysAndReplaysOff(Plays):
+    """Finds nothing but OFF worth replaying, as a policy whose other classes priced every arm may."""
+
+    def worth_replaying(self, context):
+        return [OFF]
+
+
+def test_with_heads_for_different_domains_a_keys_first_request_replays_every_heads_arm(target):
+    """Which head fits a class is what the other classes' evidence cannot say (a prose head priced
+    on code text); so with more than one head the heads are replayed, on a key's first request all
+    of their arms whatever the policy finds worth it, and later as the policy asks."""
+    from conftest import feature_head
+
+    code, prose = feature_head(target, seed=0), feature_head(target, seed=1)
+    one = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": code})
+    assert not AutotuneController(one, policy="ucb").replay_features
+    two = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": code, "feature-prose": prose,
+                                     "ngram+feature-prose": HybridDrafter(prose)})
+    arms = [OFF, Arm("ngram", 2), *(Arm(d, k) for d in ("feature", "feature-prose", "ngram+feature-prose")
+                                    for k in (2, 4))]
+    policy = PlaysAndReplaysOff(arms, Arm("feature", 2))
+    ctl = AutotuneController(two, policy=policy, min_baseline_steps=4, counterfactual_budget=0.0)
+    assert ctl.replay_features
+    ctl.generate(PROMPTS[0], "prose", max_new_tokens=24)
+    ctl.generate(PROMPTS[1], "prose", max_new_tokens=24)
+    first, second = policy.told
+    heads = {str(a) for a in arms if a.drafter != "ngram" and not a.is_off} - {"feature:2"}
+    assert heads <= set(first) and not heads & set(second)
+    assert "ngram:2" not in first  # the policy's choice still rules every other drafter
+
+
 @pytest.mark.parametrize("budget, expected", [
     (0.0, [True, True, True, False, False, False, False]),  # none after learning: each is charged first
     (1e9, [True] * 7),  # a budget that never runs out

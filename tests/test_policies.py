@@ -77,19 +77,23 @@ def test_a_key_where_speculation_loses_spends_little_finding_out(name):
     arms = [Arm(d, k) for d in ("small", "distilled", "ngram") for k in ks]
     alone = {"off": 1.0} | {str(a): 1.2 + 0.3 * (a.k == 4) for a in arms}
     busy = {"off": 1.0} | {str(a): 0.95 - 0.05 * ks.index(a.k) for a in arms}  # 0.95 down to 0.70
+    settings = {"default": {}, "conservative alone": {"share_weight": 0},
+                "neither": {"safety": None, "share_weight": 0}}
     mean = {}
-    for safety in (None, 0.02):
+    for setting, options in settings.items():
         rewards = []
         for seed in range(10):
-            policy = make_policy(name, arms, safety=safety, seed=seed)
+            policy = make_policy(name, arms, seed=seed, **options)
             for request_class in ("code", "docs"):
                 simulate(policy, alone, 60, context=Context(request_class), seed=seed, noise=0.25)
             simulate(policy, busy, 12, context=Context("docs", load=8), seed=seed, noise=0.1)
             chosen = simulate(policy, busy, 40, context=Context("code", load=8), seed=100 + seed, noise=0.1)
             rewards += [busy[a] for a in chosen]
-        mean[safety] = sum(rewards) / len(rewards)
-    assert mean[0.02] >= 0.95  # 0.97 measured; OFF is 1.0
-    assert mean[None] <= 0.90  # unconstrained exploration: 0.86
+        mean[setting] = sum(rewards) / len(rewards)
+    # docs' evidence under load, shared, or conservative exploration on its own, each keeps the
+    # key near OFF (0.97-0.98 measured; OFF is 1.0); with neither it explores arm by arm (0.88-0.89)
+    assert mean["default"] >= 0.95 and mean["conservative alone"] >= 0.95
+    assert mean["neither"] <= 0.90
 
 
 def test_sibling_estimates_count_rounds_that_drafted_short_as_keeping_nothing_further():
@@ -160,13 +164,17 @@ def test_a_decision_sees_the_other_keys_at_its_load_as_they_are_now():
 
 
 def test_a_new_class_takes_no_more_pseudo_observations_of_an_arm_than_the_other_classes_measured():
+    """What other classes measured enters a decision only (`_with_shared_prior`), never the new
+    key's own table, where it would outweigh the key's first replays for many requests."""
     policy = make_policy("ucb", ARMS)
     policy.update(Context("a"), Arm("small", 8), Outcome(100.0, 1.4))  # one request, then ten elsewhere
     for _ in range(10):
         policy.update(Context("a"), Arm("small", 2), Outcome(100.0, 1.2))
     table = policy.table(Context("b"))
-    assert table.n("small:8") == pytest.approx(0.99 ** 10) and table.mean("small:8") == pytest.approx(1.4)
-    assert table.n("small:2") == pytest.approx(policy.prior_weight) and table.n("small:1") == 0.0
+    assert all(table.n(arm) == 0.0 for arm in table.rows)
+    view = policy._with_shared_prior(Context("b"), table)
+    assert view.n("small:8") == pytest.approx(0.99 ** 10) and view.mean("small:8") == pytest.approx(1.4)
+    assert view.n("small:2") == pytest.approx(policy.share_weight) and view.n("small:1") == 0.0
 
 
 def test_an_arm_measured_only_where_speculation_goes_less_far_is_not_taken_for_a_slow_arm_elsewhere():

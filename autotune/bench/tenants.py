@@ -30,7 +30,8 @@ from policies import make_policy
 from store import Store
 
 STATIC_ARMS = ("off", "ngram:4", "ngram:6", "distilled:2", "distilled:4", "ngram+distilled:2", "ngram+distilled:4",
-               "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")
+               "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8",
+               "feature-prose:4", "feature-prose:6", "ngram+feature-prose:4", "ngram+feature-prose:6")
 
 
 def tenant_classes(base: dict[str, RequestClass], count: int) -> dict[str, RequestClass]:
