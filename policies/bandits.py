@@ -147,8 +147,8 @@ class LoadTotals:
         self.effects, self.mean_level = fit_levels(tables)
 
     def fit_state(self) -> dict:
-        """The fit and how far it is from the next one: with the keys, what the next new key's
-        prior depends on."""
+        """The fit and how far it is from the next one: with the keys, what the shared evidence in
+        the next decisions depends on."""
         return {"effects": self.effects, "mean_level": self.mean_level, "changes": self.changes}
 
     def restore_fit(self, saved: dict) -> None:
@@ -234,16 +234,15 @@ class BanditPolicy(Policy):
         explicit = self.priors.get(context.request_class)
         if explicit:
             source, variance = explicit, PRIOR_VARIANCE
-        else:
+        elif self._load_totals(_load_of(context.key)).keys:
             # Costs follow the load, acceptance the class: other classes at this load are added at
             # each decision (`_with_shared_prior`), fading as this key's own evidence grows.
-            if self._load_totals(_load_of(context.key)).keys:
-                return table
-            else:
-                same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
-                tables = same_class or list(self.tables.values())
-                source = self._pooled(tables)
-                variance = sum(t.pooled_variance() for t in tables) / len(tables) if tables else PRIOR_VARIANCE
+            return table
+        else:
+            same_class = [t for k, t in self.tables.items() if k.split("@")[0] == context.request_class]
+            tables = same_class or list(self.tables.values())
+            source = self._pooled(tables)
+            variance = sum(t.pooled_variance() for t in tables) / len(tables) if tables else PRIOR_VARIANCE
         for arm, (mean, weight) in source.items():
             if arm in table.rows and weight > 0:
                 # Pseudo-observations at the prior mean, spread like the source's rewards.
