@@ -660,12 +660,12 @@ class AutotuneController:
         classes measured of a head comes from their text: after code classes had priced the prose
         head, no prose class that came later replayed or played it (0.69 of the oracle after the
         drift bench's flip), although it was their fastest arm."""
-        def is_head(arm: Arm) -> bool:
+        def from_features(arm: Arm) -> bool:  # a head, or a hybrid around one
             return not arm.is_off and capabilities(self.engine.drafters[arm.drafter]).features
 
-        worth = [a for a in self.policy.worth_replaying(context) if self.replay_features or not is_head(a)]
+        worth = [a for a in self.policy.worth_replaying(context) if self.replay_features or not from_features(a)]
         if learning and self.replay_features:
-            worth += [a for a in self.policy.arms if is_head(a) and a not in worth]
+            worth += [a for a in self.policy.arms if from_features(a) and a not in worth]
         return worth
 
     def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:
