@@ -485,10 +485,10 @@ def _bench_controller(args, engine, bench) -> dict:
 
         classes = tenant_classes(_classes(args), 6 if args.quick else args.many_classes)
         chosen = json.loads(Path(args.arms_from).read_text()) if args.arms_from else None
-        with _noise(args.noise, engine):
+        with _noise(args.noise, engine) as noise:
             result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class or 8,
                                               policies=(args.policies or LEARNING_POLICIES).split(","),
-                                              chosen=chosen)
+                                              chosen=chosen, noise=noise if args.noise == "delays" else None)
         result["noise"] = args.noise
         return result
     from autotune.classes import Workload
@@ -510,10 +510,11 @@ def _bench_controller(args, engine, bench) -> dict:
     flipped = {name: (3.0 if i >= len(names) // 2 else 0.3) for i, name in enumerate(names)}
     unflipped = {name: (0.3 if i >= len(names) // 2 else 3.0) for i, name in enumerate(names)}
     drift = Workload(unflipped, n_requests=n, seed=1, drift=((0.5, flipped),), **load)
-    with _noise(args.noise, engine):
+    with _noise(args.noise, engine) as noise:
         result = bench.bench_controller(engine, classes, truth, Workload({name: 1.0 for name in names}, n_requests=n,
                                                                          seed=0, **load),
-                                        Path(args.out), drift=None if args.no_drift else drift)
+                                        Path(args.out), drift=None if args.no_drift else drift,
+                                        noise=noise if args.noise == "delays" else None)
     result["noise"] = args.noise
     result["ground_truth"] = {str(size): t for size, t in truth.items()}
     return result

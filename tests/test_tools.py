@@ -247,6 +247,9 @@ def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classe
     assert result["oracle_vs_best_static_expected"] >= 1.0  # the oracle is best in every cell of the truth
     assert result["drift"]["restart_vs_uninterrupted_after_restart"] > 0
     assert set(result["policies"]["thompson"]["reward_calibration"]) <= set(result["oracle_arms"])
+    # learning's share of the controller's time, alone and in bursts: replays run on a key's first request
+    shares = result["policies"]["thompson"]["overhead_share"]
+    assert "1" in shares and set(shares) <= {"1", "2-4"} and all(0 <= share < 1 for share in shares.values())
     assert (tmp_path / "controller_arms.png").stat().st_size > 0
     assert (tmp_path / "controller_regret.png").stat().st_size > 0
 

@@ -39,9 +39,10 @@ def _cell(request_class: str, load: int) -> str:
 
 
 def _run_stream(engine, stream: list[list[Request]], controllers: dict[str, AutotuneController],
-                restart: dict | None = None, progress=print) -> dict[str, list[dict]]:
+                restart: dict | None = None, noise=None, progress=print) -> dict[str, list[dict]]:
     """Serve every arrival (a request, or a burst served as one batch) with every controller,
-    rotating who goes first."""
+    rotating who goes first; `noise` (injected delays) restarted before each, so that all of them
+    meet the same bursts on it."""
     log = {name: [] for name in controllers}
     names = list(controllers)
     for i, item in enumerate(stream):
@@ -51,6 +52,8 @@ def _run_stream(engine, stream: list[list[Request]], controllers: dict[str, Auto
         req = item[0]
         for name in rotate(names, i):
             ctl = controllers[name]
+            if noise is not None:
+                noise.restart(i)
             if len(item) == 1:
                 rs = [ctl.generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature, req.top_p,
                                    req.seed)]
@@ -62,6 +65,7 @@ def _run_stream(engine, stream: list[list[Request]], controllers: dict[str, Auto
             log[name].append({"class": req.request_class, "cell": _cell(req.request_class, len(item)),
                               "arm": str(rs[0].arm), "tokens": sum(r.metrics.new_tokens for r in rs),
                               "seconds": seconds + rs[0].decision_s + rs[0].learn_s, "engine_s": seconds,
+                              "overhead_s": rs[0].decision_s + rs[0].learn_s,
                               "reward": rs[0].reward, "decision_ms": rs[0].decision_s * 1000})
         if (i + 1) % 20 == 0:
             progress(f"  {i + 1}/{len(stream)} arrivals")
@@ -79,6 +83,16 @@ def _summary(log: dict[str, list[dict]], warmup: float) -> dict:
         out[name] = {"goodput": round(_goodput(after), 2),
                      "per_class": {c: round(_goodput(rs), 2) for c, rs in sorted(per_cell.items())}}
     return out
+
+
+def _overhead_share(rows: list[dict], warmup: float) -> dict[str, float]:
+    """Per load (1, or a burst's size) after the warm-up: the share of the controller's seconds
+    spent deciding and learning (replays included) rather than serving."""
+    by_load = defaultdict(list)
+    for r in rows[int(len(rows) * warmup):]:
+        by_load[r["cell"].split("@load")[1]].append(r)
+    return {load: round(sum(r["overhead_s"] for r in rs) / sum(r["seconds"] for r in rs), 4)
+            for load, rs in sorted(by_load.items())}
 
 
 def reward_calibration(log: dict[str, list[dict]], name: str, warmup: float) -> dict[str, float]:
@@ -132,7 +146,7 @@ def hindsight_arms(ground_truth: dict[int, dict], workload: Workload) -> tuple[d
 
 def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass], ground_truth: dict[int, dict],
                      workload: Workload, out_dir: Path, policies=("ucb", "thompson", "contextual"),
-                     warmup: float = 0.2, drift: Workload | None = None, progress=print) -> dict:
+                     warmup: float = 0.2, drift: Workload | None = None, noise=None, progress=print) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = default_arms(engine)
@@ -167,7 +181,7 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
     progress(f"stationary stream: {len(stream)} arrivals ({bursts} bursts of {workload.burst_size});"
              f" static best in hindsight {static}")
     main = controllers("main", [*policies, "static_best", "oracle", "off", "heuristic"])
-    log = _run_stream(engine, stream, main, progress=progress)
+    log = _run_stream(engine, stream, main, noise=noise, progress=progress)
     close(main)
     summary = _summary(log, warmup)
     lead = policies[0]
@@ -194,12 +208,13 @@ def bench_controller(engine: SpeculativeEngine, classes: dict[str, RequestClass]
                          "ratio_vs_best_static": round(summary[p]["goodput"] / summary["static_best"]["goodput"], 3),
                          "ratio_vs_off": round(summary[p]["goodput"] / off["goodput"], 3),
                          "decision_overhead_ms_p99": p99(r["decision_ms"] for r in log[p]),
+                         "overhead_share": _overhead_share(log[p], warmup),
                          "reward_calibration": reward_calibration(log, p, warmup)} for p in policies},
         "goodput": summary,
     }
     _plot(log, lead, out_dir / "controller_arms.png", out_dir / "controller_regret.png")
     if drift is not None:
-        result["drift"] = _drift_and_restart(engine, classes, drift, controllers, close, lead, warmup, progress)
+        result["drift"] = _drift_and_restart(engine, classes, drift, controllers, close, lead, warmup, noise, progress)
     return result
 
 
@@ -209,7 +224,7 @@ def _windows(log: dict[str, list[dict]], a: str, b: str, size: int) -> list[floa
             for i in range(0, len(rows_a), size)]
 
 
-def _drift_and_restart(engine, classes, drift: Workload, controllers, close, lead, warmup, progress) -> dict:
+def _drift_and_restart(engine, classes, drift: Workload, controllers, close, lead, warmup, noise, progress) -> dict:
     """Class weights flip half way; one copy of the policy is also stopped and reopened there."""
     progress(f"drift stream: {drift.n_requests} requests, weights flip at 50%, '{lead}-restart' restarts there")
     names = [lead, f"{lead}-restart", "oracle", "off"]
@@ -224,7 +239,8 @@ def _drift_and_restart(engine, classes, drift: Workload, controllers, close, lea
 
     half = drift.n_requests // 2
     log = _run_stream(engine, drift.stream(classes), ctls,
-                      restart={"at": half, "names": [f"{lead}-restart"], "reopen": reopen}, progress=progress)
+                      restart={"at": half, "names": [f"{lead}-restart"], "reopen": reopen}, noise=noise,
+                      progress=progress)
     close(ctls)
     size = max(5, drift.n_requests // 10)
     settled = int(half * warmup)

@@ -27,11 +27,18 @@ class InjectedDelays:
     forward pass that ends inside one takes `slowdown` times its time. (Counted per forward
     pass, a burst of 20 slowed 20 of the target's steps for OFF but mostly cheap drafter steps
     for a model drafter, and OFF measured at half the speed it has.)
+
+    `restart(key)` starts the bursts afresh from a schedule of `key`'s own: a benchmark that
+    serves one request with several configurations in turn restarts before each, so every
+    configuration meets the same bursts at the same moments of that request (common random
+    numbers). Without it which configuration a burst happened to hit decided ratios between
+    them by more than their policies did: a burst costs a request several times its time.
     """
 
     def __init__(self, models: list[torch.nn.Module], seed: int = 0, burst_rate: float = 0.5,
                  burst_s: float = 0.2, slowdown: float = 8.0) -> None:
         self.models = models
+        self.seed = seed
         self.rng = random.Random(seed)
         self.burst_rate = burst_rate
         self.burst_s = burst_s
@@ -40,6 +47,11 @@ class InjectedDelays:
         self._handles = []
         self._started = 0.0
         self._burst = (0.0, 0.0)  # (start, end) of the next or current burst, perf_counter seconds
+
+    def restart(self, key: int) -> None:
+        """Bursts from now on as schedule `key` has them, the same whenever `key` restarts."""
+        self.rng = random.Random(f"{self.seed}:{key}")
+        self._next_burst(time.perf_counter())
 
     def _next_burst(self, after: float) -> None:
         start = after + self.rng.expovariate(self.burst_rate)

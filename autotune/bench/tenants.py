@@ -76,11 +76,13 @@ def _goodput(rows: list[dict]) -> float:
 
 def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClass], out_dir: Path,
                        per_class: int = 8, policies=("ucb", "contextual"), statics=STATIC_ARMS,
-                       seed: int = 0, chosen: dict | None = None, progress=print) -> dict:
+                       seed: int = 0, chosen: dict | None = None, noise=None, progress=print) -> dict:
     """`chosen`: the static best arm and oracle arms of another run (its JSON), measured here
     instead of picked in hindsight: on a noisy machine the best of seven arms over eight
     requests is partly the luckiest, which inflates the oracle a hindsight pick measures
-    (1.12x the best static arm against 1.04x quiet)."""
+    (1.12x the best static arm against 1.04x quiet). `noise`: injected delays
+    (`autotune.bench.noise.InjectedDelays`), restarted before each configuration serves a
+    request so that all of them meet the same bursts on it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = default_arms(engine)
@@ -99,6 +101,8 @@ def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClas
     log = {name: [] for name in controllers}
     for i, req in enumerate(stream):
         for name in rotate(list(controllers), i):
+            if noise is not None:
+                noise.restart(i)
             r = controllers[name].generate(req.prompt, req.request_class, req.max_new_tokens, req.temperature,
                                            req.top_p, req.seed)
             m = r.metrics
