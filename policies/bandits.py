@@ -314,9 +314,12 @@ class BanditPolicy(Policy):
         arm = guarded if guarded is not None else self.by_name[self._next(view)]
         if self.safety is None or arm.is_off or self._affordable(table, view, str(arm)):
             return arm
-        # Not affordable: the safest play, the arm whose pessimistic reward is highest (OFF's is 1).
+        # Not affordable: the safest play, the arm whose pessimistic reward is highest (OFF's is 1),
+        # by the key's own evidence (its rewards and replays) spread as the view's: shrunk toward
+        # the other classes', an arm its replays found fast but theirs slow (the prose head, for
+        # structured markup among code classes) stayed under OFF, and the key at OFF for good.
         sd = math.sqrt(view.pooled_variance())
-        safest = max(self.arm_names, key=lambda a: 1.0 if a == str(OFF) else self._lower(view, a, sd))
+        safest = max(self.arm_names, key=lambda a: 1.0 if a == str(OFF) else self._lower(table, a, sd))
         return self.by_name[safest]
 
     def worth_replaying(self, context: Context) -> list[Arm]:

@@ -259,6 +259,28 @@ def test_after_losses_a_key_plays_an_arm_confidently_faster_than_off_rather_than
         assert str(unconstrained.choose(key)) == "small:4"  # of small:1, 4, 8 (small:2 has an estimate)
 
 
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_after_a_lost_first_request_a_key_plays_what_its_replays_found_though_others_found_it_slow(name):
+    """Structured markup on the committed family: other classes favour one arm (the code head's
+    hybrid) and find another slow (the prose head); a new class's first request plays the first
+    and loses, and its replays find the second at 1.4x. What is safe to play is the key's own
+    evidence; shrunk toward the others', the prose head's bound stayed under OFF, and conservative
+    exploration, repaying the loss at `safety` a request, held the class at OFF for good."""
+    policy = make_policy(name, ARMS)
+    for cls in ("code", "docs", "edit"):
+        for _ in range(12):
+            slow = {str(a): (0.7, 1.0) for a in ARMS if a.drafter == "small"}
+            policy.update(Context(cls), Arm("ngram", 3), Outcome(goodput=150, reward=1.5, siblings=slow))
+    key = Context("structured")
+    first = policy.choose(key)
+    assert str(first) == "ngram:3"  # what the others' evidence favours
+    policy.update(key, first, Outcome(goodput=40, reward=0.4, siblings={"small:2": (1.4, 1.0)}))
+    assert policy.table(key).margin < 0
+    means = {**{str(a): 0.7 for a in ARMS}, "ngram:3": 0.4, "small:2": 1.4, "off": 1.0}
+    chosen = Counter(simulate(policy, means, 7, context=key, noise=0.1))  # the class's other seven requests
+    assert chosen["small:2"] >= 4, chosen  # held at OFF for all seven before
+
+
 def trained_on_overlap():
     """A contextual policy after 400 requests of four classes where ngram:3 pays only on
     repetitive prompts (reward 0.6 + 1.2 x n-gram overlap) and small:2 pays 1.3 everywhere."""
