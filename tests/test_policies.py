@@ -267,9 +267,9 @@ def test_after_a_lost_first_request_a_key_plays_what_its_replays_found_though_ot
     evidence; shrunk toward the others', the prose head's bound stayed under OFF, and conservative
     exploration, repaying the loss at `safety` a request, held the class at OFF for good."""
     policy = make_policy(name, ARMS)
+    slow = {str(a): (0.7, 1.0) for a in ARMS if a.drafter == "small"}  # the others' replays of the small drafter
     for cls in ("code", "docs", "edit"):
         for _ in range(12):
-            slow = {str(a): (0.7, 1.0) for a in ARMS if a.drafter == "small"}
             policy.update(Context(cls), Arm("ngram", 3), Outcome(goodput=150, reward=1.5, siblings=slow))
     key = Context("structured")
     first = policy.choose(key)
