@@ -315,9 +315,9 @@ class BanditPolicy(Policy):
         if self.safety is None or arm.is_off or self._affordable(table, view, str(arm)):
             return arm
         # Not affordable: the safest play, the arm whose pessimistic reward is highest (OFF's is 1),
-        # by the key's own evidence (its rewards and replays) spread as the view's: shrunk toward
-        # the other classes', an arm its replays found fast but theirs slow (the prose head, for
-        # structured markup among code classes) stayed under OFF, and the key at OFF for good.
+        # by the key's own evidence (its rewards and replays) spread as the view's. The other
+        # classes' evidence says what to try, not what is safe here: mixed in, it can hold an arm
+        # the key's replays found fast under OFF while OFF repays a loss at only `safety` a request.
         sd = math.sqrt(view.pooled_variance())
         safest = max(self.arm_names, key=lambda a: 1.0 if a == str(OFF) else self._lower(table, a, sd))
         return self.by_name[safest]
