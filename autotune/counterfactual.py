@@ -672,7 +672,7 @@ def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: l
 def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
                 requests: list[tuple[list[int], list[int], int]], prefill_s: float,
                 off_step_s: float, sampling: SamplingParams | list[SamplingParams] | None = None,
-                features: Features | None = None) -> dict[str, float]:
+                features: Features | None = None, replay_rows: int | None = None) -> dict[str, float]:
     """Estimated reward (OFF time / arm time) of each arm whose costs are known.
 
     `requests` holds (prompt, output, max_new_tokens) of one request, or of every request of a
@@ -682,6 +682,9 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     `sampling`: one for every request, or one per request (a batch may mix greedy and sampled).
     `features`: the target's features a feature head was handed while the one request was
     served (`served_features`), which feature heads then replay from without a target forward.
+    `replay_rows`: replay only the first this many requests of a batch (the caller puts first
+    those that decide how long it lasts), all of them still counting in its OFF rounds and
+    prompt tokens.
 
     A hybrid's rounds of one request are priced by who drafted them, at the costs of the
     engine's n-gram drafter and of the model drafter that runs its model (`hybrid_parts`): its
@@ -695,6 +698,9 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     if not requests:
         return {}
     off_rounds = max(len(output) for _, output, _ in requests) - 1
+    prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)
+    if replay_rows is not None:
+        requests, samplings = requests[:replay_rows], samplings[:replay_rows]
     off_time = prefill_s + off_rounds * off_step_s
 
     @functools.cache
@@ -716,7 +722,6 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
         if not arm.is_off and replayable(engine.drafters.get(arm.drafter)):
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
-    prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
     targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
                else None for sequence, start, sp in zip(sequences, starts, samplings)]

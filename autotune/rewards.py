@@ -86,6 +86,14 @@ CALIBRATION_OFF_TOKENS = 33
 PROBE_ROUNDS = 2
 PROBE_FIRST = 0
 PROBE_EVERY = 0  # 0: none after the first
+# OFF rounds every batch on a drafter runs among its own, for the same reason and always: no
+# calibration prices a batch's rounds true to scale. Bursts of 16 on the committed family priced
+# by the ratio of the medians over other batches (of other classes and fills; rows leave a
+# speculative batch as they finish, so its last rounds verify fewer rows) recorded rewards
+# 1.0-1.39x the speedups measured beside them; calibrated on one prompt in 16 copies, 0.85-0.90x
+# (rows that differ pad each step: there a 4-token verify costs 1.3-1.44 OFF steps, in copies 1.9).
+# Two of a batch's 25-60 rounds: under 1 % of its time.
+BATCH_PROBE_ROUNDS = 2
 
 
 def cost_key(bucket: str, sampled: bool) -> str:
@@ -113,7 +121,8 @@ class RewardModel:
     served OFF nor running OFF rounds among their own, `probes_for`): every reward and replay
     is scaled by that step, and a policy that has left OFF would otherwise price them for good
     by OFF steps measured at another moment of the machine (rewards 0.90-1.17x the speedups
-    measured beside them, by the moment each controller measured OFF).
+    measured beside them, by the moment each controller measured OFF). A static batch needs
+    neither: it measures OFF's step among its own rounds.
     """
 
     def __init__(self, costs: dict[str, CostModel] | None = None, min_baseline_steps: int = 16,
@@ -124,10 +133,15 @@ class RewardModel:
         self.remeasure_off_every = remeasure_off_every
 
     def probes_for(self, context: Context, arm: Arm) -> int:
-        """OFF rounds a request served alone on `arm` should run among its own (`generate`'s
-        `probe_off`): PROBE_ROUNDS on each of a drafter's first PROBE_FIRST requests at a load,
-        then on one in PROBE_EVERY (none when both are 0, the default); none on OFF or in batches."""
-        if arm.is_off or context.load > 1 or not (PROBE_FIRST or PROBE_EVERY):
+        """OFF rounds a request served alone, or a static batch, on `arm` should run among its own
+        (`probe_off`): a batch BATCH_PROBE_ROUNDS; alone PROBE_ROUNDS on each of a drafter's first
+        PROBE_FIRST requests at a load, then on one in PROBE_EVERY (none when both are 0, the
+        default); none on OFF."""
+        if arm.is_off:
+            return 0
+        if context.load > 1:
+            return BATCH_PROBE_ROUNDS
+        if not (PROBE_FIRST or PROBE_EVERY):
             return 0
         costs = self.costs_of(context)
         due = costs is None or costs.probes_due(arm.drafter, PROBE_FIRST, PROBE_EVERY)
@@ -147,6 +161,8 @@ class RewardModel:
         the nearest, see `segment_reward`)."""
         if segments:
             return self.off_decode_factor(context) is not None
+        if context.load > 1 and BATCH_PROBE_ROUNDS:
+            return True  # a static batch measures OFF's step among its own rounds (`probes_for`)
         costs = self.costs_of(context)
         return (costs is not None and costs.off_rounds() >= self.min_baseline_steps
                 and costs.since_off < self.remeasure_off_every)

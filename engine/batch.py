@@ -714,9 +714,9 @@ class BatchRun:
         stream(rows, [r.prompt_len for r in rows], self.batch, prompt=True)
         self._drop_finished()
 
-    def step(self) -> None:
+    def step(self, off: bool = False) -> None:
         """One round for every live row: draft, verify, commit (after a chunk of a waiting join's
-        prefill)."""
+        prefill); `off`: no drafts, the round timed as a probe of OFF's step where the arm drafts."""
         self._advance_joins()
         if not self.live:
             return
@@ -725,7 +725,13 @@ class BatchRun:
             self.batch_drafter.cache.compact_if_sparse()
         active = [self.rows[i] for i in self.live]
         starts = [len(r.tokens) for r in active]
-        report = decode_round(self, active, self.k, self.clock, self.batch)
+        began = self.clock()
+        report = decode_round(self, active, 0 if off else self.k, self.clock, self.batch, began)
+        if off and self.drafting:
+            for metrics, tokens in [(self.batch, len(active)), *((r.metrics, 1) for r in active)]:
+                metrics.probe_s += report.ended - began
+                metrics.probe_rounds += 1
+                metrics.probe_tokens += tokens
         self.committed += sum(report.committed)
         self.row_rounds += len(active)
         stream(active, starts, self.batch)

@@ -54,6 +54,11 @@ def _load(path_or_model, device, dtype) -> PreTrainedModel:
     return path_or_model.to(device=device, dtype=dtype).eval()
 
 
+def check_probes(probe_off) -> None:
+    if isinstance(probe_off, bool) or not isinstance(probe_off, int) or probe_off < 0:
+        raise InvalidRequestError(f"probe_off must be an int >= 0, got {probe_off!r}")
+
+
 class _Alone:
     """How one request's round feeds the models (`engine.round.Feed`): the target's runner, and
     the drafter with its own cache, one sequence each."""
@@ -405,8 +410,7 @@ class SpeculativeEngine:
         machine's step moves by a quarter within tenths of a second, so one taken on other
         requests, or in a run before this one, prices the request's rounds by another moment).
         """
-        if isinstance(probe_off, bool) or not isinstance(probe_off, int) or probe_off < 0:
-            raise InvalidRequestError(f"probe_off must be an int >= 0, got {probe_off!r}")
+        check_probes(probe_off)
         arm = Arm.of(arm)
         sampling = self.bad_words_as_ids(sampling or SamplingParams())
         schedule = schedule or ConstantK()
@@ -460,6 +464,7 @@ class SpeculativeEngine:
                 probe_at.pop(0)
                 m.probe_s += report.ended - now
                 m.probe_rounds += 1
+                m.probe_tokens += 1
             elif report.drafted[0]:
                 k = schedule.next_k(k, report.drafted[0], report.accepted[0])
             now = stream([row], [before], m, since=report.ended)
@@ -496,6 +501,7 @@ class SpeculativeEngine:
         admit: Callable[[int], list[BatchRequest]] | None = None,
         on_done: Callable[[int, GenerationResult], None] | None = None,
         prefill_chunk: int | None = None,
+        probe_off: int = 0,
     ) -> BatchResult:
         """Decode several requests together, in one forward pass per round, on one arm.
 
@@ -510,6 +516,8 @@ class SpeculativeEngine:
         checked as its own prompts are. `on_done(i, result)` gets each request's result as soon
         as the request is done; i counts the prompts, then the joiners in order, as the returned
         results do. `prefill_chunk`: see `BatchSession`; a joiner whose prefill fails raises here.
+        `probe_off`: as `generate`'s, rounds of every live row, spread over the longest output
+        (`BatchSession.step`'s `off`).
         """
         if isinstance(prompts, (str, bytes)):
             raise InvalidRequestError(f"prompts must be a list of prompts, got a single {type(prompts).__name__}:"
@@ -522,6 +530,9 @@ class SpeculativeEngine:
         streamers = streamers if streamers is not None else [None] * count
         if len(limits) != count or len(params) != count or len(streamers) != count:
             raise InvalidRequestError("max_new_tokens, sampling and streamers lists must have one entry per prompt")
+        check_probes(probe_off)
+        # where the rows' mean output has grown to these lengths, a round runs OFF
+        probe_at = [(i + 1) * max(limits) // (probe_off + 1) for i in range(probe_off)]
         for streamer in streamers:
             if streamer is not None:
                 check_streamer(streamer)
@@ -538,7 +549,10 @@ class SpeculativeEngine:
                     raise exc
                 if not session.live_rows and not session.prefilling:
                     return session.close()
-                session.step()
+                probing = bool(probe_at) and session.committed >= probe_at[0] * count
+                if probing:
+                    probe_at.pop(0)
+                session.step(off=probing)
         except BaseException:
             session.abort()
             raise
@@ -665,9 +679,11 @@ class BatchSession:
         return list(range(first, first + len(rows)))
 
     @torch.inference_mode()
-    def step(self) -> None:
-        """One round of every live row, after a chunk of the prefill of requests waiting to join."""
-        self._run.step()
+    def step(self, off: bool = False) -> None:
+        """One round of every live row, after a chunk of the prefill of requests waiting to join;
+        `off`: a round without drafts on a drafting arm, timed into the metrics' `probe_s` (see
+        `generate`'s `probe_off`)."""
+        self._run.step(off)
 
     def failed(self) -> list[tuple[int, Exception]]:
         """The requests whose chunked prefill failed (alone) since the last call, as (index,

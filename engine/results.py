@@ -32,9 +32,10 @@ class GenerationMetrics:
     verify_by_width: dict[int, list[float]] = field(default_factory=dict)  # tokens per row -> [seconds, rounds]
     total_s: float = 0.0
     stream_s: float = 0.0  # in the caller's streamer: left out of every time above, which are the engine's
-    # OFF steps a speculative request ran among its rounds (`generate`'s `probe_off`); they count above too
+    # OFF steps a speculative request (or batch) ran among its rounds (`probe_off`); they count above too
     probe_s: float = 0.0
     probe_rounds: int = 0
+    probe_tokens: int = 0  # the tokens they committed: one per row and round
 
     @classmethod
     def of_request(cls, prompt_tokens: int) -> GenerationMetrics:
@@ -98,13 +99,13 @@ class GenerationMetrics:
         return out
 
     def without_probes(self) -> GenerationMetrics:
-        """These counters less the OFF rounds `probe_off` served among the arm's (each committed one
-        token in a 1-token verify): the arm's own work."""
+        """These counters less the OFF rounds `probe_off` served among the arm's (1-token verifies,
+        one token per row): the arm's own work."""
         if not self.probe_rounds:
             return self
         out = copy.deepcopy(self)
         out.rounds -= self.probe_rounds
-        out.new_tokens -= self.probe_rounds
+        out.new_tokens -= self.probe_tokens
         out.verify_s -= self.probe_s
         out.total_s -= self.probe_s
         one = out.verify_by_width[1]
@@ -112,7 +113,7 @@ class GenerationMetrics:
         one[1] -= self.probe_rounds
         if not one[1]:
             del out.verify_by_width[1]
-        out.probe_s, out.probe_rounds = 0.0, 0
+        out.probe_s, out.probe_rounds, out.probe_tokens = 0.0, 0, 0
         return out
 
     def trim_positions(self) -> None:

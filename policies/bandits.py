@@ -23,7 +23,7 @@ import math
 import random
 
 from engine import OFF, Arm
-from policies.base import Context, Outcome, Policy
+from policies.base import LOAD_BUCKETS, Context, Outcome, Policy
 
 PRIOR_VARIANCE = 0.25  # reward variance assumed before an arm has data (reward ~ 1 +- 0.5)
 LEVELS_KEY = "__load_levels__"  # the state's policy-wide entry: each load's fitted arm effects
@@ -145,16 +145,20 @@ class LoadTotals:
         self.changes = 0  # updates taken in since summed afresh
         # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
         self.effects, self.mean_level = fit_levels(tables)
+        self.changes_from: dict[str, dict[str, float]] = {}  # another load -> `BanditPolicy._changes`, as fitted
 
     def fit_state(self) -> dict:
         """The fit and how far it is from the next one: with the keys, what the shared evidence in
         the next decisions depends on."""
-        return {"effects": self.effects, "mean_level": self.mean_level, "changes": self.changes}
+        return {"effects": self.effects, "mean_level": self.mean_level, "changes": self.changes,
+                "changes_from": self.changes_from}
 
     def restore_fit(self, saved: dict) -> None:
         self.effects = {arm: float(v) for arm, v in saved.get("effects", {}).items()}
         self.mean_level = float(saved.get("mean_level", 0.0))
         self.changes = int(saved.get("changes", 0))
+        self.changes_from = {load: {arm: float(v) for arm, v in changes.items()}
+                             for load, changes in saved.get("changes_from", {}).items()}
 
     def add(self, table: ArmTable, sign: float = 1.0) -> None:
         """Put a key's sums in (sign -1: take them out); the count of keys is the caller's."""
@@ -284,7 +288,7 @@ class BanditPolicy(Policy):
         """
         totals = self._load_totals(_load_of(context.key))
         others, variance = totals.without(table)
-        means = self._shared_means(context, totals.leveled(table, others))
+        means = self._shared_means(context, totals.leveled(table, others) | self._carried(context))
         if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)
@@ -299,6 +303,49 @@ class BanditPolicy(Policy):
             view._add(arm, mean, weight)
             view.rows[arm][2] += weight * variance  # spread like the others' rewards
         return view
+
+    def _carried(self, context: Context) -> dict[str, float]:
+        """What the class's own evidence at another load (the one with the most) predicts for it
+        here: each arm's mean there times how far that arm's mean moved from there to here in
+        the classes with evidence at both (`_changes`). Acceptance is the class's and costs are
+        the load's: a class's first bursts of 16 otherwise played what the other classes'
+        bursts favoured (the code head's hybrid for math, whose drafts the prose head makes;
+        speculation for chat, whose bursts run fastest OFF)."""
+        request_class, _, here = context.key.partition("@")
+        there = max((f"load{bucket}" for bucket in LOAD_BUCKETS if f"load{bucket}" != here),
+                    key=lambda load: self._evidence(self.tables.get(f"{request_class}@{load}")))
+        table = self.tables.get(f"{request_class}@{there}")
+        if table is None:
+            return {}
+        changes = self._changes(here, there)
+        return {arm: table.mean(arm) * change for arm, change in changes.items() if table.n(arm) > 1e-9}
+
+    @staticmethod
+    def _evidence(table: ArmTable | None) -> float:
+        return sum(n for n, _, _ in table.rows.values()) if table is not None else 0.0
+
+    def _changes(self, here: str, there: str) -> dict[str, float]:
+        """Each speculative arm's mean reward at load `here` over its mean at `there`, averaged in
+        logs over the classes with evidence on it at both (weighted by the lesser evidence):
+        what serving under the other load does to the arm, whatever the class's text. Kept with
+        `here`'s totals, and summed afresh with them."""
+        totals = self._load_totals(here)
+        if there not in totals.changes_from:
+            weighted: dict[str, float] = {}
+            weights: dict[str, float] = {}
+            for key, table in self.tables.items():
+                request_class, _, load = key.partition("@")
+                other = self.tables.get(f"{request_class}@{there}")
+                if load != here or other is None:
+                    continue
+                for arm in self.arm_names:
+                    weight = min(table.n(arm), other.n(arm))
+                    if arm != str(OFF) and weight > 1e-9:
+                        change = math.log(max(table.mean(arm), 1e-6) / max(other.mean(arm), 1e-6))
+                        weighted[arm] = weighted.get(arm, 0.0) + weight * change
+                        weights[arm] = weights.get(arm, 0.0) + weight
+            totals.changes_from[there] = {arm: math.exp(weighted[arm] / weights[arm]) for arm in weighted}
+        return totals.changes_from[there]
 
     def _shared_means(self, context: Context, others: dict[str, float]) -> dict[str, float]:
         """Each arm's mean over the other classes at the same load (`others`): under load the

@@ -381,3 +381,23 @@ def test_a_hybrid_is_estimated_from_its_inner_drafters_rounds_and_a_scan_of_the_
     estimates = hybrid_estimates(engine, Arm("self", 2), played.metrics, 1.5, prompt, played.tokens, 24, costs,
                                  {"self": [2], "ngram+self": [2, 3]})
     assert set(estimates) == {"ngram+self:2", "ngram+self:3"} and estimates["ngram+self:3"][1] < 0.5
+
+
+def test_a_batch_replays_the_rows_it_is_given_first_and_counts_every_row_in_off_and_prompts(engine):
+    """`replay_rows`: a burst's replay runs its slowest rows only (they decide how long it
+    lasts); OFF's rounds and the drafter's prefill still cover the whole batch."""
+    first_row, other = (p[:5] for p in prompts(2, seed=5))  # of one length: the drafter's prefill costs alike
+    served = engine.generate_batch([first_row, other], "small:2", 16)
+    costs = CostModel()
+    costs.observe(Arm("small", 2), served.metrics)
+    costs.observe(OFF, engine.generate_batch([first_row, other], OFF, 16).metrics)
+    rows = [(p, r.tokens, 16) for p, r in zip((first_row, other), served.results)]
+    arms = [Arm("small", 1), Arm("small", 4)]
+
+    def estimate(requests, replay_rows=None):
+        return arm_rewards(engine, arms, costs, requests, served.metrics.prefill_s, costs.off_step(),
+                           replay_rows=replay_rows)
+
+    first = estimate(rows, replay_rows=1)
+    assert first == pytest.approx(estimate([rows[0], rows[0]]))  # as if every row were the first
+    assert first != pytest.approx(estimate(rows))  # the other row's drafts are not replayed
