@@ -289,9 +289,9 @@ def test_bench_rewards_prices_each_arms_requests_by_calibration_and_by_learned_c
     arms = [Arm("small", 3), Arm("ngram", 2), Arm("self", 2), Arm("self", 3)]
     result = bench_reward_scale(engine, classes, arms, prompts_per_class=2, progress=lambda *_: None)
     assert set(result["arms"]) == {"small:3", "ngram:2", "self:2", "self:3"}
-    assert set(result["kinds"]) == {"model", "n-gram"}
-    for row in [*result["arms"].values(), *result["kinds"].values()]:
-        assert row["requests"] == 4 * (3 if row is result["kinds"]["model"] else 1)  # 2 classes x 2 prompts
+    assert set(result["kinds"]) == {"model", "n-gram", "model, short prompts", "n-gram, short prompts"}
+    for name, row in [*result["arms"].items(), *result["kinds"].items()]:
+        assert row["requests"] == 4 * (3 if name.startswith("model") else 1)  # 2 classes x 2 prompts
         assert row["speedup_measured"] > 0
         assert row["calibration_over_measured"] > 0 and row["learned_over_measured"] > 0
     siblings = result["siblings"]

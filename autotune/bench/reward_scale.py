@@ -6,8 +6,9 @@ speedup measured (OFF's engine seconds per output token over the arm's) and the 
 the same work at nearly the same moment. The arm's request is priced twice, as the controller
 prices it (`RewardModel.request_reward`): by the costs calibration measured before the first
 request alone, and by those costs once every request's OFF rounds were learned from (what a
-serving controller's costs become). Per arm and per arm kind: each mean reward over the mean
-speedup measured (1.0 is true to scale), and what the OFF rounds cost the requests that ran them.
+serving controller's costs become). Per arm and per arm kind (and per kind on short and long
+prompts, LONG_PROMPT): each mean reward over the mean speedup measured (1.0 is true to scale),
+and what the OFF rounds cost the requests that ran them.
 
 Where the arms hold a drafter at several Ks, each of its requests also estimates the others
 (`sibling_rewards`, what a controller learns of the Ks it did not play) from its speedup measured:
@@ -32,6 +33,7 @@ from autotune.rewards import PROBE_ROUNDS, RewardModel, calibrate
 from engine import Arm, SamplingParams, SpeculativeEngine
 
 DEFAULT_ARMS = ("ngram:4", "distilled:4", "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")
+LONG_PROMPT = 256  # tokens from which a prompt counts as long in the per-kind rows (qa and summarize's, mostly)
 CALIBRATION_SAMPLING = {False: SamplingParams(), True: SamplingParams(0.7, 0.9, seed=0)}  # as the controller's
 
 
@@ -53,20 +55,21 @@ def bench_reward_scale(engine: SpeculativeEngine, classes: dict[str, RequestClas
                     runs[how] = engine.generate(ids, "off" if how == "off" else arm, cls.max_new_tokens, sampling,
                                                 probe_off=PROBE_ROUNDS if how == "probed" else 0).metrics
                 learned[not sampling.greedy].observe(arm, runs["probed"])
-                served.append((arm, not sampling.greedy, runs, (name, i)))
+                served.append((arm, not sampling.greedy, runs, (name, i), len(ids) >= LONG_PROMPT))
         progress(f"{name}: {prompts_per_class} prompts x {len(arms)} arms")
     measured = {}  # (prompt, arm) -> speedup measured
-    for arm, _, runs, prompt in served:
+    for arm, _, runs, prompt, _ in served:
         off, m = runs["off"], runs["arm"]
         if off.new_tokens and m.new_tokens and off.total_s and m.total_s:
             measured[prompt, arm] = off.total_s / off.new_tokens / (m.total_s / m.new_tokens)
     cells = defaultdict(lambda: defaultdict(list))
-    for arm, sampled, runs, prompt in served:
+    for arm, sampled, runs, prompt, long in served:
         m, probed = runs["arm"], runs["probed"]
         if (prompt, arm) not in measured:
             continue
         estimates = _sibling_estimates(engine, arm, m, measured, prompt, learned[sampled])
-        for key in (str(arm), arm_kind(engine, str(arm))):
+        kind = arm_kind(engine, str(arm))
+        for key in (str(arm), kind, f"{kind}, {'long' if long else 'short'} prompts"):
             cell = cells[key]
             cell["measured"].append(measured[prompt, arm])
             for source, costs in (("calibration", calibrated), ("learned", learned)):
