@@ -516,8 +516,8 @@ class SpeculativeEngine:
         checked as its own prompts are. `on_done(i, result)` gets each request's result as soon
         as the request is done; i counts the prompts, then the joiners in order, as the returned
         results do. `prefill_chunk`: see `BatchSession`; a joiner whose prefill fails raises here.
-        `probe_off`: as `generate`'s, rounds of every live row, spread over the longest output
-        (`BatchSession.step`'s `off`).
+        `probe_off`: as `generate`'s, rounds of every live row, run as the rows' mean output
+        passes even fractions of the largest `max_new_tokens` (`BatchSession.step`'s `off`).
         """
         if isinstance(prompts, (str, bytes)):
             raise InvalidRequestError(f"prompts must be a list of prompts, got a single {type(prompts).__name__}:"
