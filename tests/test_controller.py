@@ -101,7 +101,7 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         assert {b: c.state_dict() for b, c in resumed.rewards.costs.items()} == {b: c.state_dict()
                                                                          for b, c in ctl.rewards.costs.items()}
         assert set(resumed.rewards.costs) == {"1", "1 sampled"} and resumed.rewards.costs["1"].off_step() > 0
-        # calibrated side by side with OFF, each drafter at its smallest and largest K
+        # calibrated side by side with OFF, each drafter at every K of its arms
         assert {d: set(ks) for d, ks in resumed.rewards.costs["1"].relative_draft.items()} == {"small": {2},
                                                                                               "ngram": {3}}
         assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
