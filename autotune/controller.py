@@ -530,7 +530,8 @@ class AutotuneController:
         with self.policy_lock:  # other threads' requests add to these costs
             costs = self.rewards.costs_for(load, any(not r.sampling.greedy for r in requests))
             # Draft costs per K only from a request that kept its K and its drafter throughout.
-            costs.observe(arm, served, drafts=schedule is None and not any(r.fell_back for r in results))
+            costs.observe(arm, served, drafts=schedule is None and not any(r.fell_back for r in results),
+                          batch=load > 1)
             reward = self.rewards.request_reward(arm, served, max(r.metrics.new_tokens for r in results) - 1, costs)
         if results[0].rest is not None:
             # The part served alone teaches the policy nothing: its drafter's prefill spread over

@@ -118,13 +118,14 @@ class CostModel:
         observations.append(value)
         del observations[:-self.window]
 
-    def observe(self, arm: Arm, metrics, drafts: bool = True) -> None:
-        """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it)."""
+    def observe(self, arm: Arm, metrics, drafts: bool = True, batch: bool = False) -> None:
+        """Add a request's measured costs; `drafts` False: its verifies only (K moved inside it);
+        `batch`: a static batch's, whose verifies are priced at its own width only (`_verifies`)."""
         if not metrics.rounds:
             return
         self.since_off = self.since_off + 1 if metrics.drafted and not metrics.probe_rounds else 0
         if metrics.drafted:
-            self._observe_probes(arm, metrics, drafts)
+            self._observe_probes(arm, metrics, drafts, batch)
         if metrics.draft_steps and metrics.draft_rounds and drafts:
             row = self.draft.setdefault(arm.drafter, {}).setdefault(arm.k, [])
             self._add(row, [metrics.draft_s / metrics.draft_rounds, metrics.draft_rounds,
@@ -137,11 +138,11 @@ class CostModel:
         # every wider verify look cheap and rewards 22 % too high, and a hybrid's verifies after
         # lookups made a model drafter's look cheap (its rewards 11 % too high).
         table = self.verify.setdefault(self._verifier(arm.drafter) if metrics.drafted else OFF_ROUNDS, {})
-        for width, (seconds, rounds) in metrics.verify_by_width.items():  # as fed: n-gram rounds vary
-            if rounds and not (width == 1 and metrics.drafted):
+        for width, (seconds, rounds) in _verifies(metrics, batch):  # as fed: n-gram rounds vary
+            if not (width == 1 and metrics.drafted):
                 self._add(table.setdefault(width, []), [seconds / rounds, rounds])
 
-    def _observe_probes(self, arm: Arm, metrics, drafts: bool) -> None:
+    def _observe_probes(self, arm: Arm, metrics, drafts: bool, batch: bool) -> None:
         """A speculative request's OFF steps served among its rounds (`probe_off`) price its rounds
         in OFF steps side by side, and are OFF's step of the moment."""
         taken = self.probed.setdefault(arm.drafter, [0, 0])
@@ -150,7 +151,7 @@ class CostModel:
             return
         taken[0], taken[1] = taken[0] + 1, 0
         self._add(self.verify.setdefault(OFF_ROUNDS, {}).setdefault(1, []), [metrics.probe_step, metrics.probe_rounds])
-        self.observe_side_by_side(arm, metrics.without_probes(), metrics.probe_step, drafts)
+        self.observe_side_by_side(arm, metrics.without_probes(), metrics.probe_step, drafts, batch)
 
     def probes_due(self, drafter: str, first: int, every: int) -> bool:
         """Whether a request on `drafter` should measure OFF's step among its rounds: each of its
@@ -158,10 +159,11 @@ class CostModel:
         taken, since = self.probed.get(drafter, (0, 0))
         return taken < first or 0 < every <= since + 1
 
-    def observe_side_by_side(self, arm: Arm, metrics, off_step: float, drafts: bool = True) -> None:
+    def observe_side_by_side(self, arm: Arm, metrics, off_step: float, drafts: bool = True,
+                             batch: bool = False) -> None:
         """Add the draft and verify costs of a request served on `arm` beside OFF steps measured
         with it (`off_step` seconds: OFF runs on the same prompt, or OFF rounds among its own), in
-        those steps; `drafts` False: its verifies only (K moved inside it)."""
+        those steps; `drafts` False: its verifies only (K moved inside it); `batch`: see `observe`."""
         if not metrics.drafted or off_step <= 0:
             return
         if metrics.draft_steps and metrics.draft_rounds and drafts:
@@ -169,8 +171,8 @@ class CostModel:
                       [metrics.draft_s / metrics.draft_rounds / off_step, metrics.draft_rounds,
                        metrics.draft_steps / metrics.draft_rounds])
         table = self.relative_verify.setdefault(self._verifier(arm.drafter), {})
-        for width, (seconds, rounds) in metrics.verify_by_width.items():
-            if rounds and width > 1:
+        for width, (seconds, rounds) in _verifies(metrics, batch):
+            if width > 1:
                 self._add(table.setdefault(width, []), [seconds / rounds / off_step, rounds])
 
     def observe_off_decode(self, seconds: float, verify_s: float) -> None:
@@ -301,6 +303,19 @@ class CostModel:
     def _verifier(self, drafter: str | None) -> str | None:
         """Whose verify costs price `drafter`'s."""
         return self.verify_owners.get(drafter, drafter)
+
+
+def _verifies(metrics, batch: bool) -> list[tuple[int, list[float]]]:
+    """(width, [seconds, rounds]) of the verifies a request's costs are learned from: all of
+    them, but of a static batch only those at its most frequent width. A batch's other widths
+    come from its last rounds, where rows near their token limit draft fewer and most rows have
+    finished: one 2-token verify of 3 rows' tail priced at a fifth of a 7-token one of 16 made
+    every K=6 batch estimate K=1 at twice its reward (chat at 1.96x OFF, measured 0.93x), and
+    the policy played the arms those estimates named."""
+    widths = [(width, row) for width, row in metrics.verify_by_width.items() if row[1]]
+    if batch and widths:
+        return [max(widths, key=lambda item: item[1][1])]
+    return widths
 
 
 def _draft_line(rows: dict[int, list[list[float]]], k: int) -> float | None:

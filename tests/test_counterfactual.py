@@ -120,6 +120,20 @@ def test_estimated_rewards_follow_acceptance_and_cost():
     assert one.verify_cost(3) > one.verify_cost(1)  # one point: a prior slope, never cheaper
 
 
+def test_a_batchs_last_rounds_price_no_verify_width():
+    """A static batch's narrower verifies come from its last rounds, when most rows have finished:
+    cheap for few rows, not for the width. A request's own narrower verifies (a lookup's short
+    match) cost what they cost."""
+    tail = GenerationMetrics(rounds=33, drafted=200, verify_s=30 * 0.020 + 3 * 0.004,
+                             verify_by_width={7: [30 * 0.020, 30], 2: [3 * 0.004, 3]})
+    batch, single = CostModel(), CostModel()
+    batch.observe(Arm("small", 6), tail, batch=True)
+    single.observe(Arm("small", 6), tail)
+    assert single.verify_cost(2, "small") == pytest.approx(0.004)
+    assert batch.verify_cost(7, "small") == pytest.approx(0.020)
+    assert batch.verify_cost(2, "small") == pytest.approx(0.020 * (1 - 5 * VERIFY_SLOPE_PRIOR))  # from width 7
+
+
 def test_a_burst_of_other_work_moves_no_cost_and_no_verify_is_priced_below_a_step():
     """On a shared machine a request can run 40x slower than the next: a running mean kept such a
     request in every estimate for a hundred requests, a median over the last requests does not."""
