@@ -70,13 +70,9 @@ def merge_configs(*configs):
         merged.update(config)
     return merged
 '''
-# Tokens it decodes per drafter's run. With a drafter at its smallest and largest K only, at 17
-# (a K=8 run: two or three verifies) two calibrations of one process a minute apart priced a
-# drafter's K=8 round 0.96 and 1.27 OFF steps and a 9-token verify 1.26 and 1.54, and every class
-# chose its K by that draw. At every K, 33 put every kind's rewards within 0.99-1.05x the
-# speedups measured beside them in three runs of `autotune bench rewards` (65: 0.99-1.07x in five
-# runs, and the calibration took 1.6x as long; two passes of 33 over the arms, the second in
-# reverse order: 0.97-1.04x in three, 1.6x as long).
+# Tokens it decodes per drafter's run. At every K, 33 put every kind's rewards within 0.99-1.05x
+# the speedups measured beside them in three runs of `autotune bench rewards`; 65, or two passes
+# of 33, were no closer (0.97-1.07x) and took 1.6x as long.
 CALIBRATION_TOKENS = 33
 CALIBRATION_OFF_TOKENS = 17
 # OFF rounds a request runs among its own while its drafter's costs in OFF steps are learned
@@ -247,13 +243,12 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     on CALIBRATION_TEXT (random token ids without a tokenizer; each drafter of `ks` at every K of
     it, CALIBRATION_TOKENS each), so that the first request needs no OFF baseline, every arm can
     be replayed from it, and no drafter is priced from one K played (a K=1 round times K
-    overpriced a drafter's longer rounds by a third, and kept it from being played). Every K, not
-    its smallest and largest only: then a 5-token verify, every round of a K=4 feature head, was
-    priced by the few that n-gram lookups happened to make (a model drafter's too, its own table
-    holding none), and the rewards of every drafter whose verifies share that table moved by
-    10-14 % from one calibration to the next (1.12-1.14x the speedups measured beside them in one
-    run of `autotune bench rewards`, 0.99-1.03x in the next). On the committed family, greedy and
-    sampled, it takes 31 s on a 2-core CPU (16 s at two Ks), once: the costs are kept in the store.
+    overpriced a drafter's longer rounds by a third, and kept it from being played). Every K:
+    priced from a drafter's smallest and largest only, a 5-token verify, every round of a K=4
+    feature head, came from the few that n-gram lookups happened to make, and the rewards of
+    every drafter sharing that table moved by 10-14 % from one calibration to the next. On the
+    committed family, greedy and sampled, it takes 31 s on a 2-core CPU, once: the costs are
+    kept in the store.
     Its draft and verify costs in OFF steps, measured side by side, price every reward and
     replay after it until requests' OFF rounds among their own outvote them
     (CostModel.observe_side_by_side, `RewardModel.probes_for`); the costs in seconds are
