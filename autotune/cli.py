@@ -154,8 +154,9 @@ def _serve_llamacpp(args) -> None:
 
 
 def _serve_forever(args, controller, name: str, what: str) -> None:
-    from autotune.server import CompletionServer, ServerLimits
+    from autotune.server import CompletionServer, ServerLimits, raise_descriptor_limit
 
+    raise_descriptor_limit()
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
                           max_connections=args.max_connections, max_requests=args.max_requests)
     server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
@@ -692,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a connection that has not sent its request's line and headers by then is closed")
     p.add_argument("--max-connections", type=at_least(0), default=0, metavar="N",
                    help="open connections at most; past it the one idle longest is closed (0: what the process's"
-                        " descriptor limit leaves, at most 10,000)")
+                        " descriptor limit leaves, raised up to its hard limit; at most 10,000)")
     p.add_argument("--max-requests", type=at_least(1), default=4096, metavar="N",
                    help="requests in flight at most; past it a 503")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")

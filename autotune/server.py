@@ -73,10 +73,29 @@ _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whit
 POLICY_PAGE = 100  # rows of /v1/autotune/policy at most per call: its cost grows with the keys shown
 
 
+# Connections a server holds at most whatever its descriptor limit. Under 20,000 idle clients that
+# reopen what it closes, a cap at this machine's limit (19,744) kept a normal request no nearer its
+# quiet latency than this one (`autotune bench hostile`, measurements-history.md).
+MAX_CONNECTIONS = 10_000
+SPARE_DESCRIPTORS = 256  # for the store, the model files, the engine's threads
+
+
+def raise_descriptor_limit() -> None:
+    """The process's soft limit on open descriptors raised to what the connection cap needs, up to
+    the hard limit (as Go's runtime and nginx's `worker_rlimit_nofile` do): a soft limit of 1,024
+    would cap a server at 768 connections, and past its cap the server closes its idlest
+    connection for each new one, which a flood of reconnecting clients turns into a storm."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_CONNECTIONS + SPARE_DESCRIPTORS
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(hard, wanted),
+                                                    hard))
+
+
 def _descriptor_budget() -> int:
-    """Connections a server may hold: what the process's descriptor limit leaves, at most 10,000."""
+    """Connections a server may hold: what the process's descriptor limit leaves, at most MAX_CONNECTIONS."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return max(64, min(10_000, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - 256))
+    return max(64, min(MAX_CONNECTIONS, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - SPARE_DESCRIPTORS))
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,43 @@ def test_costs_in_off_steps_come_from_measurements_side_by_side_not_from_medians
     assert without.relative_verify_cost(3, "small") == pytest.approx(1.8)
 
 
+def test_one_slow_moment_during_calibration_moves_no_cost(engine, monkeypatch):
+    """Calibration prices every reward after it, so a run slowed by other work on the machine
+    (here 8x: an OFF run beside small:2, and one of ngram:3's own) must not set a price: each
+    drafter runs twice, a third time where the two disagree, and a cost is their median."""
+    import threading
+
+    from autotune.rewards import calibrate
+
+    real = engine.generate
+    calls: list[tuple[Arm, int]] = []
+    slowed: set[int] = set()
+
+    def steady(prompt, arm, max_new_tokens, sampling, **kw):
+        """The engine's real rounds, priced at steady made-up speeds (slowed 8x where asked)."""
+        result = real(prompt, arm, max_new_tokens, sampling, **kw)
+        calls.append((arm, max_new_tokens))
+        slow = 8.0 if len(calls) - 1 in slowed else 1.0
+        m = result.metrics
+        widths = {w: [slow * 0.01 * (1 + 0.1 * (w - 1)) * n, n] for w, (_, n) in m.verify_by_width.items()}
+        m = dataclasses.replace(m, draft_s=slow * 0.002 * m.draft_steps, verify_by_width=widths,
+                                verify_s=sum(s for s, _ in widths.values()))
+        return dataclasses.replace(result, metrics=m)
+
+    monkeypatch.setattr(engine, "generate", steady)
+    ks = {"small": [2], "ngram": [3]}
+    quiet = calibrate(engine, ks, SamplingParams(), threading.Lock())
+    first = {arm: next(i for i, (played, tokens) in enumerate(calls) if played == arm and tokens > 4)
+             for arm in (Arm("small", 2), Arm("ngram", 3))}  # the first recorded run of each (after warm-up)
+    slowed.update({len(calls) + first[Arm("small", 2)] + 1, len(calls) + first[Arm("ngram", 3)]})
+    noisy = calibrate(engine, ks, SamplingParams(), threading.Lock())
+    assert [calls[i][0] for i in sorted(slowed)] == [OFF, Arm("ngram", 3)]
+    assert noisy.relative_draft_cost("small", 2) == pytest.approx(quiet.relative_draft_cost("small", 2))
+    for costs in (quiet, noisy):
+        assert costs.relative_verify_cost(3, "small") == pytest.approx(1.2)
+        assert costs.relative_verify_cost(4, "ngram") == pytest.approx(1.3)
+
+
 def test_a_drafters_prefill_is_a_forward_plus_a_cost_per_token():
     costs = CostModel()
     for tokens, seconds in [(100, 0.003), (400, 0.006), (200, 0.004), (700, 0.009), (300, 0.050)]:  # one slow

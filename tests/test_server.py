@@ -1008,3 +1008,22 @@ def test_the_openai_sdk_works_unchanged(served):
         return [a.choices[0].text for a in answers]
 
     assert asyncio.run(together()) == [alone(engine, PROMPTS[i % 3], 6).text for i in range(8)]
+
+
+def test_serving_raises_the_descriptor_limit_its_connection_cap_needs():
+    """A soft limit of 1,024 would cap the server at 768 connections; the hard limit stays."""
+    import resource
+
+    from autotune.server import MAX_CONNECTIONS, SPARE_DESCRIPTORS, ServerLimits, raise_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+        raise_descriptor_limit()
+        wanted = MAX_CONNECTIONS + SPARE_DESCRIPTORS
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted if hard == resource.RLIM_INFINITY
+                                                              else min(hard, wanted), hard)
+        assert ServerLimits().connections() == min(MAX_CONNECTIONS, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                                                   - SPARE_DESCRIPTORS)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
