@@ -170,9 +170,9 @@ class CostModel:
             self._add(self.relative_draft.setdefault(arm.drafter, {}).setdefault(arm.k, []),
                       [metrics.draft_s / metrics.draft_rounds / off_step, metrics.draft_rounds,
                        metrics.draft_steps / metrics.draft_rounds])
-        table = self.relative_verify.setdefault(self._verifier(arm.drafter), {})
         for width, (seconds, rounds) in _verifies(metrics, batch):
             if width > 1:
+                table = self.relative_verify.setdefault(self._verifier(arm.drafter), {})
                 self._add(table.setdefault(width, []), [seconds / rounds / off_step, rounds])
 
     def observe_off_decode(self, seconds: float, verify_s: float) -> None:
@@ -259,7 +259,11 @@ class CostModel:
         if one is None:
             return None
         if self.relative_verify:
-            return max(1.0, 1.0 if tokens == 1 else _verify_line(self.relative_verify, tokens, self._verifier(drafter)))
+            if tokens == 1:
+                return 1.0
+            # None only where no width was measured side by side: then as without any
+            if (relative := _verify_line(self.relative_verify, tokens, self._verifier(drafter))) is not None:
+                return max(1.0, relative)
         cost = self.verify_cost(tokens, drafter)
         return None if cost is None else max(1.0, cost / one)
 

@@ -237,6 +237,8 @@ def test_costs_in_off_steps_come_from_measurements_side_by_side_not_from_medians
     verified(without, 1, 0.005)
     without.observe(Arm("small", 2), slow)
     assert without.relative_verify_cost(3, "small") == pytest.approx(1.8)
+    without.relative_verify = {"small": {}}  # a table with no width in it (a store saved so) prices as none
+    assert without.relative_verify_cost(3, "small") == pytest.approx(1.8)
 
 
 def test_one_slow_moment_during_calibration_moves_no_cost(engine, monkeypatch):
