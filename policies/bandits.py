@@ -516,17 +516,30 @@ class UCBPolicy(BanditPolicy):
 
 
 class ThompsonPolicy(BanditPolicy):
-    """Gaussian Thompson sampling: draw each arm's mean from its posterior, play the best."""
+    """Gaussian Thompson sampling: draw each arm's mean from its posterior, play the best.
+
+    The posterior's spread is scaled by `spread` (0.5), as ucb's bonus is by its exploration,
+    and for the same reason: most of the reward noise is the prompt, shared by all arms, so
+    the pooled variance overstates how uncertain one arm is against another. Chapelle and Li
+    (2011, "An Empirical Evaluation of Thompson Sampling") found such a narrower posterior
+    better in practice. At full spread, with 43 arms and 8 requests a class, the many-classes
+    bench's thompson played 18-25 arms in 104 requests and served chat and structured markup on
+    model drafters while exploring; at half, 10-15 arms.
+    """
 
     name = "thompson"
 
+    def __init__(self, arms: list[Arm], spread: float = 0.5, **kw) -> None:
+        super().__init__(arms, **kw)
+        self.spread = spread
+
     def _pick(self, table: ArmTable) -> str:
-        var = table.pooled_variance()
+        sd = self.spread * math.sqrt(table.pooled_variance())
 
         def draw(arm: str) -> float:
             n = table.n(arm)
             if n < 1e-9:  # OFF, never played
                 return table.mean(arm)
-            return self.rng.gauss(table.mean(arm), math.sqrt(var / n))
+            return self.rng.gauss(table.mean(arm), sd / math.sqrt(n))
 
         return max(self.arm_names, key=draw)
