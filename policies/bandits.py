@@ -93,7 +93,8 @@ class ArmTable:
         return table
 
 
-def fit_levels(tables: list[ArmTable], iterations: int = 8) -> tuple[dict[str, float], float]:
+def fit_levels(tables: list[ArmTable], iterations: int = 8,
+               offsets: list[dict[str, float]] | None = None) -> tuple[dict[str, float], float]:
     """Each speculative arm's effect, and the keys' mean level, in a model of every key's mean
     reward on every arm as its level times the arm's effect (additive in logs), fitted to the
     keys' evidence by alternating weighted means (each cell weighted by its count).
@@ -103,10 +104,12 @@ def fit_levels(tables: list[ArmTable], iterations: int = 8) -> tuple[dict[str, f
     the feature head first in docs (2.1x) and its hybrid first in structured markup (1.3x,
     where the hybrid beat the head 1.36 to 1.06), and every class then took the hybrid for
     the slower arm. Classes share arms the replays estimate in all of them, which tie their
-    levels together. OFF is left out: its reward is 1 at every level."""
+    levels together. OFF is left out: its reward is 1 at every level. `offsets`: per table, a
+    part of each arm's mean (in logs) to take out before fitting (`BanditPolicy._carried`)."""
     cells = []
-    for table in tables:
-        cell = {a: (n, math.log(max(s / n, 1e-6))) for a, (n, s, _) in table.rows.items()
+    for i, table in enumerate(tables):
+        offset = offsets[i] if offsets is not None else {}
+        cell = {a: (n, math.log(max(s / n, 1e-6)) - offset.get(a, 0.0)) for a, (n, s, _) in table.rows.items()
                 if a != str(OFF) and n > 1e-9}
         if cell:
             cells.append(cell)
@@ -145,20 +148,22 @@ class LoadTotals:
         self.changes = 0  # updates taken in since summed afresh
         # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
         self.effects, self.mean_level = fit_levels(tables)
-        self.changes_from: dict[str, dict[str, float]] = {}  # another load -> `BanditPolicy._changes`, as fitted
+        # another load -> this load's effects and mean level with each class's affinities there
+        # taken out (`BanditPolicy._carried`), as fitted
+        self.carried_fits: dict[str, tuple[dict[str, float], float]] = {}
 
     def fit_state(self) -> dict:
         """The fit and how far it is from the next one: with the keys, what the shared evidence in
         the next decisions depends on."""
         return {"effects": self.effects, "mean_level": self.mean_level, "changes": self.changes,
-                "changes_from": self.changes_from}
+                "carried_fits": self.carried_fits}
 
     def restore_fit(self, saved: dict) -> None:
         self.effects = {arm: float(v) for arm, v in saved.get("effects", {}).items()}
         self.mean_level = float(saved.get("mean_level", 0.0))
         self.changes = int(saved.get("changes", 0))
-        self.changes_from = {load: {arm: float(v) for arm, v in changes.items()}
-                             for load, changes in saved.get("changes_from", {}).items()}
+        self.carried_fits = {load: ({arm: float(v) for arm, v in effects.items()}, float(mean_level))
+                             for load, (effects, mean_level) in saved.get("carried_fits", {}).items()}
 
     def add(self, table: ArmTable, sign: float = 1.0) -> None:
         """Put a key's sums in (sign -1: take them out); the count of keys is the caller's."""
@@ -171,14 +176,31 @@ class LoadTotals:
         """Each arm's mean over the keys (arms with evidence)."""
         return {arm: self.s[arm] / n for arm, n in self.n.items() if n > 1e-9}
 
+    def level(self, table: ArmTable | None) -> float:
+        """The key's level in logs (`fit_levels`): from its own evidence, else the keys' mean."""
+        own = [(n, math.log(max(s / n, 1e-6)) - self.effects[a]) for a, (n, s, _) in table.rows.items()
+               if a in self.effects and n > 1e-9] if table is not None else []
+        return sum(n * v for n, v in own) / sum(n for n, _ in own) if own else self.mean_level
+
     def leveled(self, table: ArmTable, means: dict[str, float]) -> dict[str, float]:
         """`means` with each speculative arm's replaced by what `fit_levels`' model predicts for
         `table`'s key: its level (from its own evidence, else the keys' mean) times the arm's effect."""
-        own = [(n, math.log(max(s / n, 1e-6)) - self.effects[a]) for a, (n, s, _) in table.rows.items()
-               if a in self.effects and n > 1e-9]
-        level = sum(n * v for n, v in own) / sum(n for n, _ in own) if own else self.mean_level
+        level = self.level(table)
         return {arm: math.exp(level + self.effects[arm]) if arm in self.effects else mean
                 for arm, mean in means.items()}
+
+    def affinities(self, table: ArmTable, drafter_of: dict[str, str]) -> dict[str, float]:
+        """How far the key's rewards ran above (or below) the model's prediction for it on each
+        drafter's arms, in logs: which drafter drafts its text well, beyond what its level and the
+        arms' effects say (the code head on code, the prose head on prose). Shrunk toward none by
+        one pseudo-observation, so one replay says little."""
+        level, sums = self.level(table), {}
+        for arm, (n, s, _) in table.rows.items():
+            if arm in self.effects and n > 1e-9:
+                weight, total = sums.get(drafter_of[arm], (0.0, 0.0))
+                residual = math.log(max(s / n, 1e-6)) - level - self.effects[arm]
+                sums[drafter_of[arm]] = (weight + n, total + n * residual)
+        return {drafter: total / (weight + 1.0) for drafter, (weight, total) in sums.items()}
 
     def evidence_without(self, table: ArmTable) -> dict[str, float]:
         """The other keys' (discounted) count of rewards per arm."""
@@ -215,6 +237,7 @@ class BanditPolicy(Policy):
         super().__init__(arms)
         self.arm_names = [str(a) for a in self.arms]
         self.by_name = {str(a): a for a in self.arms}
+        self._drafters = {str(a): a.drafter for a in self.arms}
         self.discount = discount
         self.prior_weight = prior_weight
         self.share_weight = share_weight
@@ -288,7 +311,7 @@ class BanditPolicy(Policy):
         """
         totals = self._load_totals(_load_of(context.key))
         others, variance = totals.without(table)
-        means = self._shared_means(context, totals.leveled(table, others) | self._carried(context))
+        means = self._shared_means(context, totals.leveled(table, others) | self._carried(context, table))
         if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)
@@ -304,48 +327,54 @@ class BanditPolicy(Policy):
             view.rows[arm][2] += weight * variance  # spread like the others' rewards
         return view
 
-    def _carried(self, context: Context) -> dict[str, float]:
-        """What the class's own evidence at another load (the one with the most) predicts for it
-        here: each arm's mean there times how far that arm's mean moved from there to here in
-        the classes with evidence at both (`_changes`). Acceptance is the class's and costs are
-        the load's: a class's first bursts of 16 otherwise played what the other classes'
-        bursts favoured (the code head's hybrid for math, whose drafts the prose head makes;
-        speculation for chat, whose bursts run fastest OFF)."""
+    def _carried(self, context: Context, table: ArmTable) -> dict[str, float]:
+        """What the class's evidence at another load (the one with the most) says of its arms here.
+
+        Acceptance follows the class's text and costs the load, so each key's mean reward on an
+        arm is modelled as its level times the arm's effect at the key's load times the class's
+        affinity for the arm's drafter, whatever the load (`LoadTotals.affinities`: the code head
+        on code, the prose head on prose). The affinities come from the class's evidence at the
+        other load; this load's effects are fitted over its keys with their classes' affinities
+        taken out, so that what one class's text favours is not taken for what the load does.
+        A class's first bursts of 16 otherwise played what the other classes' bursts favoured
+        (the code head's hybrid for math, whose drafts the prose head makes; speculation for
+        chat, whose bursts run fastest OFF). The load's effect is fitted over every key at the
+        load, not taken from each class's change between the loads: one class's single request
+        alone against its burst of 16 other prompts made that change 1.5-1.7x, where batches of
+        16 run 0.55-1.0x each arm's speedup alone."""
         request_class, _, here = context.key.partition("@")
         there = max((f"load{bucket}" for bucket in LOAD_BUCKETS if f"load{bucket}" != here),
                     key=lambda load: self._evidence(self.tables.get(f"{request_class}@{load}")))
-        table = self.tables.get(f"{request_class}@{there}")
+        elsewhere = self.tables.get(f"{request_class}@{there}")
+        if elsewhere is None:
+            return {}
+        totals = self._load_totals(here)
+        if there not in totals.carried_fits:
+            keys = [(k, t) for k, t in self.tables.items() if _load_of(k) == here]
+            offsets = [self._class_offsets(k.partition("@")[0], there) for k, _ in keys]
+            totals.carried_fits[there] = fit_levels([t for _, t in keys], offsets=offsets)
+        effects, mean_level = totals.carried_fits[there]
+        offset = self._class_offsets(request_class, there)
+        own = [(n, math.log(max(s / n, 1e-6)) - effects[a] - offset.get(a, 0.0))
+               for a, (n, s, _) in table.rows.items() if a in effects and n > 1e-9]
+        level = sum(n * v for n, v in own) / sum(n for n, _ in own) if own else mean_level
+        return {arm: math.exp(level + effect + offset[arm]) for arm, effect in effects.items() if arm in offset}
+
+    def _class_offsets(self, request_class: str, load: str) -> dict[str, float]:
+        """How far the class's rewards at `load` ran from the mean key's there on each arm, in logs:
+        its level over the keys' mean level, plus its affinity for the arm's drafter ({}: no
+        evidence there)."""
+        table = self.tables.get(f"{request_class}@{load}")
         if table is None:
             return {}
-        changes = self._changes(here, there)
-        return {arm: table.mean(arm) * change for arm, change in changes.items() if table.n(arm) > 1e-9}
+        totals = self._load_totals(load)
+        level = totals.level(table) - totals.mean_level
+        by_drafter = totals.affinities(table, self._drafters)
+        return {arm: level + by_drafter[drafter] for arm, drafter in self._drafters.items() if drafter in by_drafter}
 
     @staticmethod
     def _evidence(table: ArmTable | None) -> float:
         return sum(n for n, _, _ in table.rows.values()) if table is not None else 0.0
-
-    def _changes(self, here: str, there: str) -> dict[str, float]:
-        """Each speculative arm's mean reward at load `here` over its mean at `there`, averaged in
-        logs over the classes with evidence on it at both (weighted by the lesser evidence):
-        what serving under the other load does to the arm, whatever the class's text. Kept with
-        `here`'s totals, and summed afresh with them."""
-        totals = self._load_totals(here)
-        if there not in totals.changes_from:
-            weighted: dict[str, float] = {}
-            weights: dict[str, float] = {}
-            for key, table in self.tables.items():
-                request_class, _, load = key.partition("@")
-                other = self.tables.get(f"{request_class}@{there}")
-                if load != here or other is None:
-                    continue
-                for arm in self.arm_names:
-                    weight = min(table.n(arm), other.n(arm))
-                    if arm != str(OFF) and weight > 1e-9:
-                        change = math.log(max(table.mean(arm), 1e-6) / max(other.mean(arm), 1e-6))
-                        weighted[arm] = weighted.get(arm, 0.0) + weight * change
-                        weights[arm] = weights.get(arm, 0.0) + weight
-            totals.changes_from[there] = {arm: math.exp(weighted[arm] / weights[arm]) for arm in weighted}
-        return totals.changes_from[there]
 
     def _shared_means(self, context: Context, others: dict[str, float]) -> dict[str, float]:
         """Each arm's mean over the other classes at the same load (`others`): under load the

@@ -136,8 +136,8 @@ def assert_decisions_see_the_other_keys_as_they_are(policy, contexts):
                 continue
             raw = sum(t.rows[arm][1] for t in others) / n
             # as the level model (fitted when the totals were last summed afresh) predicts it for this
-            # key, or the class at another load with what the load did to the arm in other classes
-            mean = (policy._load_totals(load).leveled(table, {arm: raw}) | policy._carried(context))[arm]
+            # key, or the arm's effect here with the class's affinity for its drafter at another load
+            mean = (policy._load_totals(load).leveled(table, {arm: raw}) | policy._carried(context, table))[arm]
             share = min(policy.share_weight, n)  # never more than the others' own evidence
             weight = share ** 2 / (share + table.n(arm))
             variance = sum(t.pooled_variance() for t in others) / len(others)
