@@ -493,3 +493,30 @@ def test_a_class_new_at_a_load_carries_what_its_text_favours_there_from_another_
             policy.update(context, arm, Outcome(goodput=100, reward=rng.gauss(truth[str(arm)], 0.1), siblings=replays))
     first = simulate(policy, means("code", 8), 5, context=Context("code", load=8), noise=0.1)
     assert first[0] == "small:2" and Counter(first)["small:2"] >= 4  # code@8's best (1.42x); docs@8's: ngram:3
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_one_hard_request_alone_does_not_make_other_classes_bursts_look_fast(name):
+    """Two classes alike: one served alone once, on a hard prompt (every arm 0.7x its mean), then
+    in bursts; the other served alone often. Under load every arm loses to OFF for both. The
+    second class's first bursts must not take the first one's burst rewards over its one hard
+    request as what the load does: taken so, they priced every arm 1.4x too high, and the
+    second class's bursts went to speculation."""
+    alone = {"small:1": 0.1, "small:2": 0.25, "small:4": 0.35, "small:8": 0.4, "ngram:3": 0.2}
+    busy = {"small:1": -0.2, "small:2": -0.2, "small:4": -0.3, "small:8": -0.5, "ngram:3": -0.25}
+    policy, rng = make_policy(name, ARMS), random.Random(0)
+
+    def serve(context, effects, requests, scale=1.0):
+        truth = {"off": 1.0} | {a: scale * math.exp(e) for a, e in effects.items()}
+        for _ in range(requests):  # each request replayed on the other arms, as the controller does
+            arm = policy.choose(context)
+            replays = {a: (rng.gauss(m, 0.05), 1.0) for a, m in truth.items() if a != str(arm)}
+            policy.update(context, arm, Outcome(goodput=100, reward=rng.gauss(truth[str(arm)], 0.05),
+                                                siblings=replays))
+
+    serve(Context("chat", load=1), alone, 12)
+    serve(Context("markup", load=1), alone, 1, scale=0.7)
+    serve(Context("markup", load=16), busy, 6)
+    first = simulate(policy, {"off": 1.0} | {a: math.exp(e) for a, e in busy.items()}, 3,
+                     context=Context("chat", load=16), noise=0.05)
+    assert first == ["off"] * 3
