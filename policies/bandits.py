@@ -311,7 +311,8 @@ class BanditPolicy(Policy):
         """
         totals = self._load_totals(_load_of(context.key))
         others, variance = totals.without(table)
-        means = self._shared_means(context, totals.leveled(table, others) | self._carried(context, table))
+        # The class's own evidence at another load goes over any prediction from other classes
+        means = self._shared_means(context, totals.leveled(table, others)) | self._carried(context, table)
         if not means or self.share_weight <= 0:
             return table
         view = ArmTable(self.arm_names, table.rows)
