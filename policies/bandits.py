@@ -148,7 +148,7 @@ class LoadTotals:
         self.changes = 0  # updates taken in since summed afresh
         # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
         self.effects, self.mean_level = fit_levels(tables)
-        # another load -> this load's effects and mean level with each class's affinities there
+        # another load -> this load's effects and mean level with each class's offsets there
         # taken out (`BanditPolicy._carried`), as fitted
         self.carried_fits: dict[str, tuple[dict[str, float], float]] = {}
 
@@ -333,10 +333,10 @@ class BanditPolicy(Policy):
 
         Acceptance follows the class's text and costs the load, so each key's mean reward on an
         arm is modelled as its level times the arm's effect at the key's load times the class's
-        affinity for the arm's drafter, whatever the load (`LoadTotals.affinities`: the code head
-        on code, the prose head on prose). The affinities come from the class's evidence at the
-        other load; this load's effects are fitted over its keys with their classes' affinities
-        taken out, so that what one class's text favours is not taken for what the load does.
+        offset, whatever the load: how far its level and its affinity for the arm's drafter ran
+        from the mean class's at the other load (`_class_offsets`; the code head on code, the
+        prose head on prose). This load's effects are fitted over its keys with their classes'
+        offsets taken out, so that what one class's text favours is not taken for what the load does.
         A class's first bursts of 16 otherwise played what the other classes' bursts favoured
         (the code head's hybrid for math, whose drafts the prose head makes; speculation for
         chat, whose bursts run fastest OFF). The load's effect is fitted over every key at the
