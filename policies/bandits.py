@@ -130,6 +130,17 @@ def fit_levels(tables: list[ArmTable], iterations: int = 8,
     return effects, sum(w * level for w, level in zip(evidence, levels)) / sum(evidence)
 
 
+def key_level(table: ArmTable | None, effects: dict[str, float], mean_level: float,
+              offset: dict[str, float] | None = None) -> float:
+    """A key's level in logs under `fit_levels`' model: its mean log reward less each arm's effect
+    (and `offset`, a part of each arm's mean taken out as in the fit), weighted by evidence; the
+    keys' `mean_level` where it has none on the fitted arms."""
+    offset = offset or {}
+    own = [(n, math.log(max(s / n, 1e-6)) - effects[a] - offset.get(a, 0.0))
+           for a, (n, s, _) in table.rows.items() if a in effects and n > 1e-9] if table is not None else []
+    return sum(n * v for n, v in own) / sum(n for n, _ in own) if own else mean_level
+
+
 class LoadTotals:
     """Each arm's count and sum of rewards, and the sum of pooled variances, over every key at one load.
 
@@ -178,9 +189,7 @@ class LoadTotals:
 
     def level(self, table: ArmTable | None) -> float:
         """The key's level in logs (`fit_levels`): from its own evidence, else the keys' mean."""
-        own = [(n, math.log(max(s / n, 1e-6)) - self.effects[a]) for a, (n, s, _) in table.rows.items()
-               if a in self.effects and n > 1e-9] if table is not None else []
-        return sum(n * v for n, v in own) / sum(n for n, _ in own) if own else self.mean_level
+        return key_level(table, self.effects, self.mean_level)
 
     def leveled(self, table: ArmTable, means: dict[str, float]) -> dict[str, float]:
         """`means` with each speculative arm's replaced by what `fit_levels`' model predicts for
@@ -356,9 +365,7 @@ class BanditPolicy(Policy):
             totals.carried_fits[there] = fit_levels([t for _, t in keys], offsets=offsets)
         effects, mean_level = totals.carried_fits[there]
         offset = self._class_offsets(request_class, there)
-        own = [(n, math.log(max(s / n, 1e-6)) - effects[a] - offset.get(a, 0.0))
-               for a, (n, s, _) in table.rows.items() if a in effects and n > 1e-9]
-        level = sum(n * v for n, v in own) / sum(n for n, _ in own) if own else mean_level
+        level = key_level(table, effects, mean_level, offset)
         return {arm: math.exp(level + effect + offset[arm]) for arm, effect in effects.items() if arm in offset}
 
     def _class_offsets(self, request_class: str, load: str) -> dict[str, float]:
