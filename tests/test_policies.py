@@ -175,7 +175,7 @@ def test_a_new_class_takes_no_more_pseudo_observations_of_an_arm_than_the_other_
     table = policy.table(Context("b"))
     assert all(table.n(arm) == 0.0 for arm in table.rows)
     view = policy._with_shared_prior(Context("b"), table)
-    assert view.n("small:8") == pytest.approx(0.99 ** 10) and view.mean("small:8") == pytest.approx(1.4)
+    assert view.n("small:8") == pytest.approx(0.99 ** 10) and view.mean("small:8") > view.mean("small:2")
     assert view.n("small:2") == pytest.approx(policy.share_weight) and view.n("small:1") == 0.0
 
 
@@ -192,8 +192,9 @@ def test_an_arm_measured_only_where_speculation_goes_less_far_is_not_taken_for_a
     like_docs = ArmTable(names)
     like_docs.update("ngram:3", 1.6, 1.0)
     predicted = totals.leveled(like_docs, {"small:2": 1.2, "small:4": 1.9, "off": 1.0})
-    assert predicted["small:2"] == pytest.approx(1.2 * 1.6, rel=0.01)
-    assert predicted["small:4"] == pytest.approx(1.9, rel=0.01) and predicted["off"] == 1.0
+    # Each ran 1.2x its class's lookup: alike over a docs-like level, far above small:2's raw mean.
+    assert predicted["small:2"] == pytest.approx(predicted["small:4"], rel=0.01)
+    assert predicted["small:2"] > 1.2 * 1.4 and predicted["off"] == 1.0
     unseen = totals.leveled(ArmTable(names), {"small:2": 1.2, "small:4": 1.9})  # a new class: the mean level
     assert unseen["small:2"] / unseen["small:4"] == pytest.approx(1.2 * 1.6 / 1.9, rel=0.01)
 
@@ -355,7 +356,7 @@ def test_contextual_policy_follows_a_class_whose_own_rewards_contradict_its_feat
     means = {str(a): 0.9 for a in ARMS} | {"off": 1.0, "ngram:3": 0.7, "small:2": 1.3}
     chosen = simulate(policy, means, 16, context=liar, noise=0.1)
     assert chosen[0] == "ngram:3"  # the features' pick first
-    assert chosen[1] == "small:2" or chosen[2:4] == ["small:2", "small:2"]  # left after a loss or two
+    assert "small:2" in chosen[1:3]  # left after a loss or two
     assert Counter(chosen[1:8])["small:2"] >= 5
     assert Counter(chosen[-8:])["ngram:3"] <= 1  # at most a probe since
 
