@@ -193,7 +193,7 @@ def test_an_arm_measured_only_where_speculation_goes_less_far_is_not_taken_for_a
     like_docs.update("ngram:3", 1.6, 1.0)
     predicted = totals.leveled(like_docs, {"small:2": 1.2, "small:4": 1.9, "off": 1.0})
     # Each ran 1.2x its class's lookup: alike over a docs-like level, far above small:2's raw mean.
-    assert predicted["small:2"] == pytest.approx(predicted["small:4"], rel=0.01)
+    assert predicted["small:2"] == pytest.approx(predicted["small:4"], rel=0.02)
     assert predicted["small:2"] > 1.2 * 1.4 and predicted["off"] == 1.0
     unseen = totals.leveled(ArmTable(names), {"small:2": 1.2, "small:4": 1.9})  # a new class: the mean level
     assert unseen["small:2"] / unseen["small:4"] == pytest.approx(1.2 * 1.6 / 1.9, rel=0.01)
@@ -521,3 +521,27 @@ def test_one_hard_request_alone_does_not_make_other_classes_bursts_look_fast(nam
     first = simulate(policy, {"off": 1.0} | {a: math.exp(e) for a, e in busy.items()}, 3,
                      context=Context("chat", load=16), noise=0.05)
     assert first == ["off"] * 3
+
+
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_an_arm_one_class_alone_measured_is_not_priced_as_fast_for_every_class(name):
+    """Under load only structured markup's bursts had replayed the prose model drafter, which
+    drafts its text well. Its effect over the mean arm, fitted from that one class, carried the
+    class's affinity, and the code and creative classes' first bursts played it at 0.68-0.70x
+    OFF. Here eight classes never replayed the lookup; one did, where it ran a little faster
+    than every other arm; a new class, where the lookup loses, must not begin with it."""
+    shape = {"small:1": -0.1, "small:2": 0.05, "small:4": 0.15, "small:8": 0.0}
+    policy, rng = make_policy(name, ARMS), random.Random(0)
+
+    def serve(context, truth):
+        for _ in range(4):  # served on small:4, replayed on the arms `truth` names
+            replays = {a: (rng.gauss(m, 0.02), 1.0) for a, m in truth.items() if a != "small:4"}
+            policy.update(context, Arm("small", 4), Outcome(100, rng.gauss(truth["small:4"], 0.02), siblings=replays))
+
+    for i in range(8):
+        serve(Context(f"class{i}", load=16), {"off": 1.0} | {a: math.exp(0.05 * i + e) for a, e in shape.items()})
+    lookup_favoured = {"off": 1.0, "ngram:3": math.exp(0.22)} | {a: math.exp(e) for a, e in shape.items()}
+    serve(Context("markup", load=16), lookup_favoured)
+    first = simulate(policy, {"off": 1.0, "ngram:3": 0.7} | {a: math.exp(0.3 + e) for a, e in shape.items()}, 3,
+                     context=Context("code", load=16), noise=0.02)
+    assert "ngram:3" not in first
