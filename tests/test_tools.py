@@ -240,8 +240,10 @@ def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classe
         assert fresh.count() == sum(len(arrival) for arrival in stream.stream(classes))
     assert result["bursts"] > 0
     assert set(result["oracle_arms"]) == {"rep@load1", "mixed@load1", "rep@load2-4", "mixed@load2-4"}
+    with Store(f"sqlite:///{tmp_path / 'main-off_control.db'}") as control:  # the negative control serves OFF only
+        assert {row["arm"] for row in control.observations()} == {"off"}
     for key in ("ratio_vs_best_static", "ratio_vs_oracle", "ratio_vs_off", "worst_class_ratio_vs_off",
-                "decision_overhead_ms_p99"):
+                "off_control_worst_class_ratio_vs_off", "off_control_ratio_vs_off", "decision_overhead_ms_p99"):
         assert isinstance(result[key], float) and result[key] > 0, key
     assert result["regret_fraction"] == pytest.approx(1 - result["ratio_vs_oracle"], abs=2e-3)
     assert result["oracle_vs_best_static_expected"] >= 1.0  # the oracle is best in every cell of the truth
