@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 
 from engine import OFF, Arm
 from policies.base import LOAD_BUCKETS, Context, Outcome, Policy
@@ -122,10 +123,7 @@ def fit_levels(tables: list[ArmTable], iterations: int = 8,
         return {}, 0.0
     levels = [sum(n * v for n, v in cell.values()) / sum(n for n, _ in cell.values()) for cell in cells]
     effects: dict[str, float] = {}
-    keys: dict[str, int] = {}
-    for cell in cells:
-        for arm in cell:
-            keys[arm] = keys.get(arm, 0) + 1
+    keys = Counter(arm for cell in cells for arm in cell)
     for _ in range(iterations):
         weighted, counts = {}, {}
         for cell, level in zip(cells, levels):
