@@ -154,7 +154,7 @@ def _serve_llamacpp(args) -> None:
 
 
 def _serve_forever(args, controller, name: str, what: str) -> None:
-    from autotune.server import CompletionServer, ServerLimits, raise_descriptor_limit
+    from autotune.server import CompletionServer, ServerLimits, freeze_startup_heap, raise_descriptor_limit
 
     raise_descriptor_limit()
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
@@ -169,6 +169,7 @@ def _serve_forever(args, controller, name: str, what: str) -> None:
     # signal again for the handler it found: here KeyboardInterrupt for both, so the controller
     # saves what it learned before the process ends.
     signal.signal(signal.SIGTERM, _interrupt)
+    freeze_startup_heap()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -689,11 +690,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: origins whose browser pages may call the server (vLLM's default: any)")
     p.add_argument("--max-body-bytes", type=at_least(1), default=8 << 20, metavar="N",
                    help="a request body longer than this (8 MiB) is refused (413) before it is read")
-    p.add_argument("--head-timeout", type=at_least(0.001, float), default=15.0, metavar="SECONDS",
+    p.add_argument("--head-timeout", type=at_least(0.001, float), default=60.0, metavar="SECONDS",
                    help="a connection that has not sent its request's line and headers by then is closed")
     p.add_argument("--max-connections", type=at_least(0), default=0, metavar="N",
                    help="open connections at most; past it the one idle longest is closed (0: what the process's"
-                        " descriptor limit leaves, raised up to its hard limit; at most 10,000)")
+                        " descriptor limit leaves, raised up to its hard limit; at most 65,536)")
     p.add_argument("--max-requests", type=at_least(1), default=4096, metavar="N",
                    help="requests in flight at most; past it a 503")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")

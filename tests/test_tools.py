@@ -501,3 +501,17 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
                       chosen={"static_best_arm": "small:1", "oracle_arms": {"x": "ngram:2", "y": "ngram:2"}})
     assert other["arms_chosen"] == "by another run"
     assert other["oracle_vs_best_static"] == pytest.approx(2.5 / 1.6, abs=1e-3)
+
+
+def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_among_held_connections():
+    from autotune.bench import bench_hostile
+
+    result = bench_hostile(classes=3, idle=40, slow=2, held_s=2.0, policy="off")
+    for name in ("prompt_30MB", "tokenize_10MB"):  # refused from the head, before the body is read
+        assert result[name].get("answer_to_the_head", result[name]["status"]) == 413
+    assert result["prompt_6MB"]["status"] == 400 and result["classes"]["ok"] == 3
+    attack = result["attack"]
+    assert len(attack["series_s"]) == attack["series_ok"] == 2
+    assert attack["normal_ok"] == 10 and len(attack["kept_alive_s_each"]) == 10
+    assert attack["server_descriptors_open"] > 40  # the attackers' connections were held, not refused
+    assert attack["exit_code"] == 0  # SIGTERM stopped it with all of them open

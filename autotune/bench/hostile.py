@@ -6,9 +6,10 @@ request classes, each request timed with the server's resident memory before and
 size and time of /metrics and /v1/autotune/policy once the classes are in. Last, `idle`
 connections that send nothing and `slow` clients that send a request's head a byte a second,
 held (and reopened when the server closes them) from two processes of their own, while normal
-requests (each on a connection of its own, then one after another on one kept-alive connection)
-are timed against the same requests on the quiet server; then SIGTERM, with all of them still
-there.
+requests are timed against the same requests on the quiet server: one a second from the
+attack's start for `held_s` (its flood of connects, the connections held, the head deadline's
+closes and the attackers' reopening), then ten each on a connection of its own and ten one after
+another on one kept-alive connection; then SIGTERM, with all of them still there.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def _attack(port: int, idle: int, slow: int, pipe) -> None:
 
 
 def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
-    """`measure()` while `idle` and `slow` clients hold connections to the server (two
-    processes: one process may not hold 20,000 descriptors), and how many connects failed."""
+    """`measure()` from the moment `idle` and `slow` clients start opening connections to the
+    server (two processes: one process may not hold 20,000 descriptors), and how many connects
+    failed."""
     spawn = multiprocessing.get_context("spawn")
     pipes, processes = [], []
     for share_idle, share_slow in ((idle - idle // 2, slow), (idle // 2, 0)):
@@ -142,7 +144,6 @@ def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
         pipes.append(ours)
     for pipe in pipes:
         assert pipe.recv() == "ready"
-    time.sleep(20)  # every connection opened, and the first ones closed at the head deadline and reopened
     try:
         result = measure()
     finally:
@@ -154,14 +155,17 @@ def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
     return {**result, "attack_failed_connects": sum(h["failed_connects"] for h in held)}
 
 
-def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server_code: str | None = None) -> dict:
-    """`server_code`: a checkout (e.g. a git worktree of an older commit) whose code the server
-    runs, the bench's own code driving it."""
+def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s: float = 80.0,
+                  policy: str = "ucb", server_code: str | None = None) -> dict:
+    """`policy`: the server's (`off` skips the calibration a learning policy runs on a new store,
+    a minute here); `server_code`: a checkout (e.g. a git worktree of an older commit) whose code
+    the server runs, the bench's own code driving it."""
     env = os.environ | ({"PYTHONPATH": os.path.abspath(server_code)} if server_code else {})
     with tempfile.TemporaryDirectory() as tmp:
-        server = subprocess.Popen([sys.executable, "-m", "autotune.cli", "serve", "--port", "0", "--db",
-                                   f"sqlite:///{tmp}/hostile.db"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  text=True, env=env, cwd=tmp)  # not this folder's code first on the path
+        command = [sys.executable, "-m", "autotune.cli", "serve", "--port", "0", "--policy", policy,
+                   "--db", f"sqlite:///{tmp}/hostile.db"]
+        server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                  cwd=tmp)  # not this folder's code first on the path
         try:
             base = server.stdout.readline().split(" at ")[1].split("/v1")[0]
             normal = {"prompt": "def add(a, b):\n    return", "max_tokens": 8, "temperature": 0,
@@ -199,6 +203,12 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server
             quiet_kept_alive = _kept_alive(base, normal, 10)
 
             def normal_requests_then_stop() -> dict:
+                started, series, series_ok = time.perf_counter(), [], 0
+                while (at := time.perf_counter() - started) < held_s:
+                    status, seconds, _ = _call(base + "/v1/completions", normal, timeout=30)
+                    series.append((round(at, 1), seconds))
+                    series_ok += status == 200
+                    time.sleep(max(0.0, at + 1 - (time.perf_counter() - started)))
                 timed = [_call(base + "/v1/completions", normal, timeout=30) for _ in range(10)]
                 kept_alive = _kept_alive(base, normal, 10)
                 rss, held = round(_rss_mb(server.pid)), len(os.listdir(f"/proc/{server.pid}/fd"))
@@ -208,8 +218,14 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, server
                     server.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     server.kill()
+                within_2x = [seconds <= 2 * statistics.median(quiet) for _, seconds in series]
+                slowest_at, slowest = max(series, key=lambda point: point[1])
                 return {"normal_request_s_quiet": statistics.median(quiet),
+                        "held_s": held_s, "series_s": series,  # (seconds since the attack began, seconds)
+                        "series_ok": series_ok, "series_within_2x_quiet": round(sum(within_2x) / len(series), 3),
+                        "series_slowest_s": slowest, "series_slowest_at_s": slowest_at,
                         "normal_request_s": statistics.median(t[1] for t in timed),
+                        "normal_request_s_each": [t[1] for t in timed],
                         "normal_request_s_max": max(t[1] for t in timed),
                         "normal_ok": sum(t[0] == 200 for t in timed),
                         # a connection per request must get through the attackers' connects
