@@ -218,9 +218,10 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                     server.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     server.kill()
-                within_2x = [seconds <= 2 * statistics.median(quiet) for _, seconds in series]
+                quiet_s = statistics.median(quiet)
+                within_2x = [seconds <= 2 * quiet_s for _, seconds in series]
                 slowest_at, slowest = max(series, key=lambda point: point[1])
-                return {"normal_request_s_quiet": statistics.median(quiet),
+                return {"normal_request_s_quiet": quiet_s,
                         "held_s": held_s, "series_s": series,  # (seconds since the attack began, seconds)
                         "series_ok": series_ok, "series_within_2x_quiet": round(sum(within_2x) / len(series), 3),
                         "series_slowest_s": slowest, "series_slowest_at_s": slowest_at,
