@@ -677,6 +677,7 @@ class CompletionServer:
         self.app = create_app(controller, model_name, api_key, max_metric_classes, limits, allowed_origins)
         self.socket = socket.create_server(address, backlog=2048)  # uvicorn's backlog; socketserver's 5 reset clients
         self.server_port = self.socket.getsockname()[1]
+        # uvicorn's loop "auto": uvloop's (a dependency but on Windows), which accepts and times connections in C
         config = uvicorn.Config(self.app, http=bounded_protocol(limits), timeout_keep_alive=int(limits.keep_alive_s),
                                 timeout_graceful_shutdown=int(limits.graceful_shutdown_s),
                                 log_level="info" if verbose else "warning", access_log=verbose)
