@@ -242,7 +242,8 @@ def cmd_bench(args) -> None:
     if args.what in ("store", "durability"):
         result = _bench_databases(args, bench)
     elif args.what == "hostile":
-        result = bench.bench_hostile(classes=args.requests or 300, server_code=args.server_code)
+        result = bench.bench_hostile(classes=args.requests or 300, policy=args.policies or "ucb",
+                                     server_code=args.server_code)
     elif args.what == "decisions":
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
         result = bench.bench_decisions(**steps)
@@ -768,7 +769,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", help="bench controller --many-classes: policies compared (default"
                                       f" {LEARNING_POLICIES});"
                                       " bench serve: policies served in process, directly and over HTTP (default"
-                                      " off,ucb; empty: only the --compare-url servers)")
+                                      " off,ucb; empty: only the --compare-url servers); bench hostile: the"
+                                      " server's policy (default ucb; off: its arm fixed, so the normal"
+                                      " requests' latency is the server's alone)")
     p.add_argument("--rounds", type=at_least(1), default=2,
                    help="bench serve, concurrency: rounds in which every configuration serves the clients in turn")
     p.add_argument("--arms-from", metavar="JSON", help="bench controller --many-classes: the static best and oracle"
