@@ -243,6 +243,7 @@ def cmd_bench(args) -> None:
         result = _bench_databases(args, bench)
     elif args.what == "hostile":
         result = bench.bench_hostile(classes=args.requests or 300, policy=args.policies or "ucb",
+                                     idle=args.idle, slow=args.slow, attacker_nice=args.attacker_nice,
                                      server_code=args.server_code)
     elif args.what == "decisions":
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
@@ -752,6 +753,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-size", type=at_least(1), default=16, help="bench controller: requests per burst")
     p.add_argument("--clients", type=at_least(1), default=16,
                    help="bench concurrency, serve, prefix: client threads, each sending 4 requests one after another")
+    p.add_argument("--idle", type=at_least(0), default=20_000,
+                   help="bench hostile: idle connections held (0 with --slow 0: the same series unattacked, a control)")
+    p.add_argument("--slow", type=at_least(0), default=50, help="bench hostile: clients sending a head a byte a second")
+    p.add_argument("--attacker-nice", type=at_least(0, high=19), default=0,
+                   help="bench hostile: the attacking processes' nice value (19: the least CPU, as attackers on"
+                        " machines of their own would take none of the server's)")
     p.add_argument("--server-code", metavar="DIR",
                    help="bench hostile: run the server from this checkout's code (e.g. a git worktree of an older"
                         " commit), driven by this one's bench")

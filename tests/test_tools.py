@@ -506,7 +506,7 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
 def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_among_held_connections():
     from autotune.bench import bench_hostile
 
-    result = bench_hostile(classes=3, idle=40, slow=2, held_s=2.0, policy="off")
+    result = bench_hostile(classes=3, idle=40, slow=2, held_s=2.0, policy="off", attacker_nice=19)
     for name in ("prompt_30MB", "tokenize_10MB"):  # refused from the head, before the body is read
         assert result[name].get("answer_to_the_head", result[name]["status"]) == 413
     assert result["prompt_6MB"]["status"] == 400 and result["classes"]["ok"] == 3

@@ -89,10 +89,12 @@ def _head_answer(base: str, path: str, length: int) -> tuple[int, float]:
     return status, round(time.perf_counter() - start, 3)
 
 
-def _attack(port: int, idle: int, slow: int, pipe) -> None:
+def _attack(port: int, idle: int, slow: int, nice: int, pipe) -> None:
     """Hold `idle` connections that send nothing and `slow` ones that send a request's head a
     byte a second, reopening each the server closes (once a second), until told to stop; say
-    how many connects failed."""
+    how many connects failed. `nice`: this process's CPU priority (0 as the server's, 19 the
+    least, as an attacker on a machine of its own would take none of the server's)."""
+    os.nice(nice)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"x" * 10_000
@@ -131,7 +133,7 @@ def _attack(port: int, idle: int, slow: int, pipe) -> None:
     pipe.send({"failed_connects": failed})
 
 
-def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
+def _under_attack(port: int, idle: int, slow: int, nice: int, measure) -> dict:
     """`measure()` from the moment `idle` and `slow` clients start opening connections to the
     server (two processes: one process may not hold 20,000 descriptors), and how many connects
     failed."""
@@ -139,7 +141,7 @@ def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
     pipes, processes = [], []
     for share_idle, share_slow in ((idle - idle // 2, slow), (idle // 2, 0)):
         ours, theirs = spawn.Pipe()
-        processes.append(spawn.Process(target=_attack, args=(port, share_idle, share_slow, theirs), daemon=True))
+        processes.append(spawn.Process(target=_attack, args=(port, share_idle, share_slow, nice, theirs), daemon=True))
         processes[-1].start()
         pipes.append(ours)
     for pipe in pipes:
@@ -156,7 +158,7 @@ def _under_attack(port: int, idle: int, slow: int, measure) -> dict:
 
 
 def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s: float = 80.0,
-                  policy: str = "ucb", server_code: str | None = None) -> dict:
+                  policy: str = "ucb", attacker_nice: int = 0, server_code: str | None = None) -> dict:
     """`policy`: the server's (`off` skips the calibration a learning policy runs on a new store,
     a minute here); `server_code`: a checkout (e.g. a git worktree of an older commit) whose code
     the server runs, the bench's own code driving it."""
@@ -237,8 +239,8 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                         "rss_mb": rss, "server_descriptors_open": held,
                         "sigterm_to_exit_s": round(time.perf_counter() - stopped, 2), "exit_code": server.returncode}
 
-            result["attack"] = {"idle": idle, "slow": slow, **_under_attack(port, idle, slow,
-                                                                             normal_requests_then_stop)}
+            attacked = _under_attack(port, idle, slow, attacker_nice, normal_requests_then_stop)
+            result["attack"] = {"idle": idle, "slow": slow, "attacker_nice": attacker_nice, **attacked}
             result["attack"]["latency_vs_quiet"] = round(result["attack"]["normal_request_s"]
                                                          / result["attack"]["normal_request_s_quiet"], 2)
         finally:
