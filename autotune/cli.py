@@ -244,7 +244,7 @@ def cmd_bench(args) -> None:
     elif args.what == "hostile":
         result = bench.bench_hostile(classes=args.requests or 300, policy=args.policies or "ucb",
                                      idle=args.idle, slow=args.slow, attacker_nice=args.attacker_nice,
-                                     server_code=args.server_code)
+                                     attacker_cpus=args.attacker_cpus, server_code=args.server_code)
     elif args.what == "decisions":
         steps = {"decisions": 300 if args.quick else 3000, "warmup": 100 if args.quick else 500}
         result = bench.bench_decisions(**steps)
@@ -622,6 +622,17 @@ def cmd_zoo_train_drafter(args) -> None:
     print(json.dumps(report, indent=2))
 
 
+def cpu_list(text: str) -> set[int]:
+    """An argparse type: CPU numbers separated by commas, as taskset's --cpu-list without ranges."""
+    try:
+        cpus = {int(cpu) for cpu in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of CPU numbers such as 1 or 2,3") from None
+    if min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: CPU numbers start at 0")
+    return cpus
+
+
 def at_least(low: float, kind: type = int, high: float | None = None):
     """An argparse type: a `kind` number in [low, high], refused by argparse (exit 2, naming
     the option) otherwise, rather than accepted and run on silently (a demo of -1 requests) or
@@ -759,6 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attacker-nice", type=at_least(0, high=19), default=0,
                    help="bench hostile: the attacking processes' nice value (19: the least CPU, as attackers on"
                         " machines of their own would take none of the server's)")
+    p.add_argument("--attacker-cpus", type=cpu_list, metavar="LIST",
+                   help="bench hostile: CPUs the attacking processes run on (e.g. 1 or 2,3), the server on the others")
     p.add_argument("--server-code", metavar="DIR",
                    help="bench hostile: run the server from this checkout's code (e.g. a git worktree of an older"
                         " commit), driven by this one's bench")

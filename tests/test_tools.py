@@ -506,7 +506,10 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
 def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_among_held_connections():
     from autotune.bench import bench_hostile
 
-    result = bench_hostile(classes=3, idle=40, slow=2, held_s=2.0, policy="off", attacker_nice=19)
+    cpus = sorted(os.sched_getaffinity(0))
+    attacker_cpus = set(cpus[-1:]) if len(cpus) > 1 else None  # the server on the others
+    result = bench_hostile(classes=3, idle=40, slow=2, held_s=2.0, policy="off", attacker_nice=19,
+                           attacker_cpus=attacker_cpus)
     for name in ("prompt_30MB", "tokenize_10MB"):  # refused from the head, before the body is read
         assert result[name].get("answer_to_the_head", result[name]["status"]) == 413
     assert result["prompt_6MB"]["status"] == 400 and result["classes"]["ok"] == 3
@@ -515,3 +518,6 @@ def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_amo
     assert attack["normal_ok"] == 10 and len(attack["kept_alive_s_each"]) == 10
     assert attack["server_descriptors_open"] > 40  # the attackers' connections were held, not refused
     assert attack["exit_code"] == 0  # SIGTERM stopped it with all of them open
+    assert set(result["server_cpus"]) == set(cpus) - (attacker_cpus or set())  # the server's own, read back
+    with pytest.raises(ValueError, match="some, not all"):
+        bench_hostile(attacker_cpus=set(cpus))

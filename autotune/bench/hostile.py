@@ -89,12 +89,15 @@ def _head_answer(base: str, path: str, length: int) -> tuple[int, float]:
     return status, round(time.perf_counter() - start, 3)
 
 
-def _attack(port: int, idle: int, slow: int, nice: int, pipe) -> None:
+def _attack(port: int, idle: int, slow: int, nice: int, cpus: set[int] | None, pipe) -> None:
     """Hold `idle` connections that send nothing and `slow` ones that send a request's head a
     byte a second, reopening each the server closes (once a second), until told to stop; say
     how many connects failed. `nice`: this process's CPU priority (0 as the server's, 19 the
-    least, as an attacker on a machine of its own would take none of the server's)."""
+    least); `cpus`: the only CPUs it runs on (None: any), as an attacker on a machine of its own
+    would take none of the server's."""
     os.nice(nice)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"x" * 10_000
@@ -133,7 +136,7 @@ def _attack(port: int, idle: int, slow: int, nice: int, pipe) -> None:
     pipe.send({"failed_connects": failed})
 
 
-def _under_attack(port: int, idle: int, slow: int, nice: int, measure) -> dict:
+def _under_attack(port: int, idle: int, slow: int, nice: int, cpus: set[int] | None, measure) -> dict:
     """`measure()` from the moment `idle` and `slow` clients start opening connections to the
     server (two processes: one process may not hold 20,000 descriptors), and how many connects
     failed."""
@@ -141,7 +144,8 @@ def _under_attack(port: int, idle: int, slow: int, nice: int, measure) -> dict:
     pipes, processes = [], []
     for share_idle, share_slow in ((idle - idle // 2, slow), (idle // 2, 0)):
         ours, theirs = spawn.Pipe()
-        processes.append(spawn.Process(target=_attack, args=(port, share_idle, share_slow, nice, theirs), daemon=True))
+        args = (port, share_idle, share_slow, nice, cpus, theirs)
+        processes.append(spawn.Process(target=_attack, args=args, daemon=True))
         processes[-1].start()
         pipes.append(ours)
     for pipe in pipes:
@@ -158,22 +162,33 @@ def _under_attack(port: int, idle: int, slow: int, nice: int, measure) -> dict:
 
 
 def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s: float = 80.0,
-                  policy: str = "ucb", attacker_nice: int = 0, server_code: str | None = None) -> dict:
+                  policy: str = "ucb", attacker_nice: int = 0, attacker_cpus: set[int] | None = None,
+                  server_code: str | None = None) -> dict:
     """`policy`: the server's (`off` skips the calibration a learning policy runs on a new store,
-    a minute here); `server_code`: a checkout (e.g. a git worktree of an older commit) whose code
-    the server runs, the bench's own code driving it."""
+    a minute here); `attacker_cpus`: the attacking processes run on these CPUs only and the
+    server on the others (on one machine, as attackers on machines of their own); `server_code`:
+    a checkout (e.g. a git worktree of an older commit) whose code the server runs, the bench's
+    own code driving it."""
+    server_cpus = None
+    if attacker_cpus:
+        server_cpus = os.sched_getaffinity(0) - set(attacker_cpus)
+        if not server_cpus or not set(attacker_cpus) <= os.sched_getaffinity(0):
+            raise ValueError(f"attacker CPUs {sorted(attacker_cpus)} must be some, not all, of this process's CPUs"
+                             f" {sorted(os.sched_getaffinity(0))}: the server runs on the others")
     env = os.environ | ({"PYTHONPATH": os.path.abspath(server_code)} if server_code else {})
     with tempfile.TemporaryDirectory() as tmp:
         command = [sys.executable, "-m", "autotune.cli", "serve", "--port", "0", "--policy", policy,
                    "--db", f"sqlite:///{tmp}/hostile.db"]
         server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                  cwd=tmp)  # not this folder's code first on the path
+                                  cwd=tmp,  # not this folder's code first on the path
+                                  preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
         try:
             base = server.stdout.readline().split(" at ")[1].split("/v1")[0]
             normal = {"prompt": "def add(a, b):\n    return", "max_tokens": 8, "temperature": 0,
                       "request_class": "code"}
             first = [_call(base + "/v1/completions", normal)[1] for _ in range(5)]
-            result = {"normal_request_s_median": statistics.median(first), "rss_mb_start": round(_rss_mb(server.pid))}
+            result = {"normal_request_s_median": statistics.median(first), "rss_mb_start": round(_rss_mb(server.pid)),
+                      "server_cpus": sorted(os.sched_getaffinity(server.pid))}
             # Over the body limit (8 MiB by default), refused before they are read; under it, a
             # prompt's length in characters is checked before it is tokenized.
             for name, path, body in [("prompt_30MB", "/v1/completions", {"prompt": "x = 1; " * 4_285_714,
@@ -239,8 +254,9 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                         "rss_mb": rss, "server_descriptors_open": held,
                         "sigterm_to_exit_s": round(time.perf_counter() - stopped, 2), "exit_code": server.returncode}
 
-            attacked = _under_attack(port, idle, slow, attacker_nice, normal_requests_then_stop)
-            result["attack"] = {"idle": idle, "slow": slow, "attacker_nice": attacker_nice, **attacked}
+            attacked = _under_attack(port, idle, slow, attacker_nice, attacker_cpus, normal_requests_then_stop)
+            result["attack"] = {"idle": idle, "slow": slow, "attacker_nice": attacker_nice,
+                                "attacker_cpus": sorted(attacker_cpus) if attacker_cpus else None, **attacked}
             result["attack"]["latency_vs_quiet"] = round(result["attack"]["normal_request_s"]
                                                          / result["attack"]["normal_request_s_quiet"], 2)
         finally:
