@@ -162,7 +162,7 @@ def _serve_forever(args, controller, name: str, what: str) -> None:
     server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
                               api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
                               max_metric_classes=args.max_metric_classes, limits=limits,
-                              allowed_origins=tuple(args.allowed_origins))
+                              allowed_origins=tuple(args.allowed_origins), loop_nice=args.loop_nice)
     print(f"serving {name!r} at http://{args.host}:{server.server_port}/v1 (policy {args.arm or args.policy},"
           f" {what}); store {controller.store.url}; Ctrl-C or SIGTERM stops", flush=True)
     # uvicorn stops on SIGINT or SIGTERM (requests in flight get their grace), then raises the
@@ -710,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                         " descriptor limit leaves, raised up to its hard limit; at most 65,536)")
     p.add_argument("--max-requests", type=at_least(1), default=4096, metavar="N",
                    help="requests in flight at most; past it a 503")
+    p.add_argument("--loop-nice", type=at_least(0, high=19), default=19, metavar="N",
+                   help="the HTTP event loop runs N steps below the engine's worker in CPU priority (Linux), so"
+                        " connections' work (floods of connects, waves of closes) waits for decoding (0: level)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
 

@@ -5,14 +5,14 @@ decode them one after another, each forward pass feeding a single token. Serving
 requests that wait at the same moment as one batch does one forward pass per round for all
 of them, which is where a server's throughput comes from (vLLM and SGLang batch every
 running request each step). Here batches are formed when the engine falls free: a worker
-thread (started when a request waits and none serves; it stops once none wait) takes the
-oldest waiting request and every other one of its group (the caller's choice: the controller
-puts all its requests in one group, or one group per request class) up to `max_batch`, serves
-them and hands each caller its own result; callers only wait. While it serves, the batch can
-take in requests of its group that arrive meanwhile (`Batch.join`, between two rounds:
-continuous batching) and hand each caller its result as soon as that request is done
-(`Batch.deliver`), so neither a newcomer nor a short request waits for the longest request
-of the batch.
+thread (started when a request waits and none serves, stopping once none wait; or one kept
+waiting, `keep_worker`) takes the oldest waiting request and every other one of its group (the
+caller's choice: the controller puts all its requests in one group, or one group per request
+class) up to `max_batch`, serves them and hands each caller its own result; callers only wait.
+While it serves, the batch can take in requests of its group that arrive meanwhile
+(`Batch.join`, between two rounds: continuous batching) and hand each caller its result as soon
+as that request is done (`Batch.deliver`), so neither a newcomer nor a short request waits for
+the longest request of the batch.
 
 When requests were arriving together a moment before, the worker first waits up to `wait_s`
 for the rest of them (with 16 clients of 4 classes grouped by class, the default 2 ms gathered
@@ -120,6 +120,7 @@ class Coalescer:
         self.wait_s = wait_s
         self._queue: list[_Ticket] = []
         self._busy = False  # a worker is gathering or serving
+        self._resident: threading.Thread | None = None  # `keep_worker`'s
         self._last_batch = 1
         self._cv = threading.Condition()
 
@@ -135,24 +136,48 @@ class Coalescer:
             raise ticket.error
         return ticket.result
 
+    def keep_worker(self) -> None:
+        """From now on one worker, started here, serves every batch and waits while no request
+        does (rather than a worker started by the request that finds none serving), until
+        `release_worker()`. A thread takes the CPU priority of the thread that starts it: a
+        server whose event loop runs below its engine (`CompletionServer`) starts the engine's
+        worker this way, from a thread at the process's own priority. A batch being served
+        ends first: one worker serves at a time."""
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            if self._resident is None:
+                self._resident = threading.Thread(target=self._work, name="coalescer", daemon=True)
+                self._resident.start()
+
+    def release_worker(self) -> None:
+        """`keep_worker`'s worker ends once no request waits; workers start per request again."""
+        with self._cv:
+            self._resident = None
+            self._cv.notify_all()
+
     def _start_worker(self) -> None:
         """Unless one serves, start a worker (called holding the lock). One that serves stops
         only once the queue is empty (`_work`), so every waiting request has one."""
         if not self._busy:
             self._busy = True
-            threading.Thread(target=self._work, name="coalescer", daemon=True).start()
+            if self._resident is None:  # a kept worker has been woken by `submit`'s notify
+                threading.Thread(target=self._work, name="coalescer", daemon=True).start()
 
     def _work(self) -> None:
-        """Serve batches while requests wait, then stop. A worker thread rather than the caller
-        that found the engine free: that caller could not return before its batch ended, and a
-        continuous batch under steady load never ends (a request of 8 tokens waited 5.4 s, the
-        batch's whole life, where the median took 0.08 s)."""
+        """Serve batches while requests wait, then stop (a kept worker waits for more). A worker
+        thread rather than the caller that found the engine free: that caller could not return
+        before its batch ended, and a continuous batch under steady load never ends (a request of
+        8 tokens waited 5.4 s, the batch's whole life, where the median took 0.08 s)."""
         while True:
             with self._cv:
-                if not self._queue:
+                while not self._queue:
                     self._busy = False
                     self._cv.notify_all()
-                    return
+                    if self._resident is not threading.current_thread():
+                        return
+                    self._cv.wait()
+                self._busy = True
                 batch = self._gather()
             served = Batch(self, batch[0].group, batch)
             try:

@@ -8,18 +8,22 @@ import pytest
 from autotune.coalesce import Coalescer
 
 
-def test_waiting_requests_of_a_group_are_served_together_in_arrival_order():
+@pytest.mark.parametrize("kept", [False, True], ids=["worker-per-busy-spell", "kept-worker"])
+def test_waiting_requests_of_a_group_are_served_together_in_arrival_order(kept):
     release = threading.Event()
-    batches = []
+    batches, workers = [], set()
 
     def serve(group, batch):
         items = list(batch.pending().values())
         batches.append((group, list(items)))
+        workers.add(threading.current_thread())
         if len(batches) == 1:
             release.wait(5)  # the first batch is still being served while the others arrive
         return [ValueError(f"bad {i}") if i == 3 else i * 10 for i in items]
 
     coalescer = Coalescer(serve, max_batch=4, wait_s=0.01)
+    if kept:
+        coalescer.keep_worker()
     outcomes = {}
 
     def call(group, item):
@@ -42,6 +46,13 @@ def test_waiting_requests_of_a_group_are_served_together_in_arrival_order():
     # the oldest waiting request leads; its group fills the batch up to max_batch, other groups wait
     assert batches == [("g", [0]), ("g", [1, 2, 3, 4]), ("h", [6, 7]), ("g", [5])]
     assert outcomes == {0: 0, 1: 10, 2: 20, 3: "bad 3", 4: 40, 5: 50, 6: 60, 7: 70}
+    if kept:  # every batch served by the one thread keep_worker started, which ends once released
+        assert workers == {coalescer._resident}
+        kept_worker = coalescer._resident
+        coalescer.release_worker()
+        kept_worker.join(5)
+        assert not kept_worker.is_alive()
+        assert coalescer.submit("g", 8) == 80  # served by a worker started for it, as before
 
 
 def test_a_failing_batch_fails_each_of_its_callers_and_the_next_batch_still_runs():

@@ -637,6 +637,45 @@ def test_clients_that_connect_together_all_get_answers(served):
         server.shutdown()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own CPU priority is Linux's")
+def test_the_event_loop_runs_below_the_engine_worker_it_serves(served):
+    """The batches' worker keeps the priority of the thread that serves; the event loop, and
+    the request threads it starts, drop `loop_nice` below it: a flood of connections then waits
+    for decoding on a shared core. Were the worker started by a request, it would drop too."""
+    import os
+
+    engine, _ = served
+    level = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if level > 14:
+        pytest.skip(f"the tests run at nice {level}: no room for 5 below it")
+    before = set(threading.enumerate())
+    server = CompletionServer(AutotuneController(engine, policy="off", arms=[OFF], max_batch=2), ("127.0.0.1", 0),
+                              loop_nice=5).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}"
+        assert post(base, {"prompt": PROMPTS[0], "max_tokens": 3})[0] == 200
+        workers = [t for t in set(threading.enumerate()) - before if t.name == "coalescer"]
+        loop = server._thread.native_id
+        assert len(workers) == 1
+        assert os.getpriority(os.PRIO_PROCESS, workers[0].native_id) == level
+        assert os.getpriority(os.PRIO_PROCESS, loop) == level + 5
+        request_threads = [t for t in set(threading.enumerate()) - before if t.name.startswith("autotune")]
+        assert request_threads and all(os.getpriority(os.PRIO_PROCESS, t.native_id) == level + 5
+                                       for t in request_threads)
+    finally:
+        server.shutdown()
+    workers[0].join(5)
+    assert not workers[0].is_alive()  # released with the server
+    alone = CompletionServer(AutotuneController(engine, policy="off", arms=[OFF]), ("127.0.0.1", 0),
+                             loop_nice=5).start()  # max_batch 1: requests decode on the loop's threads
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, alone._thread.native_id) == level
+    finally:
+        alone.shutdown()
+    with pytest.raises(ValueError, match="loop_nice must be 0-19"):
+        CompletionServer(AutotuneController(engine, policy="off", arms=[OFF]), ("127.0.0.1", 0), loop_nice=20)
+
+
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
     """A scrape's samples, read back by prometheus_client's own parser: (name, labels) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
