@@ -15,7 +15,7 @@ Bounded (`ServerLimits`): a body's size is checked before it is read, and it mus
 time; a connection must send its request's head in time; past `max_connections` the idlest
 connection is closed to let a new one in; past `max_requests` requests in flight, a 503.
 The event loop runs below the engine's worker in CPU priority (`loop_nice`), so the work
-connections make (a flood of connects, a wave of closes) takes nothing from a request's decoding.
+connections make (a flood of connects, a wave of closes) yields to a request's decoding.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def run_below_the_engine(nice: int) -> None:
     priority per thread (Linux; elsewhere it would take the engine's threads down with it). On a
     core it shares with the engine's worker, the loop's work for connections then waits for the
     engine instead of taking half the core from it (`autotune bench hostile --attacker-cpus 1`:
-    the slowest normal request of a run under 20,000 idle connections 1.2-2.1x its quiet
+    the slowest normal request of a run under 20,000 idle connections 1.4-2.1x its quiet
     latency, against 1.9-2.8x with the loop level with the engine). Threads the loop starts
     later (a request's, a tokenizer's) take its priority; the engine's worker, started before,
     does not."""
