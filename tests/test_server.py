@@ -465,6 +465,12 @@ def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
     assert result["http_vs_direct"]["ucb"] > 0
     assert all(0 < c["ttft_s_p50"] <= c["latency_s_p50"] for c in result["configs"].values())
     assert set(result["compared"]) == {"new-off over old-off", "ucb/http over ucb/direct"}
+    # every server here is this process, found by its port for the two given by URL
+    cpu = {name: c["server_cpu_ms_per_token"] for name, c in result["configs"].items()}
+    assert cpu["ucb/direct"] is None and all(cpu[name] > 0 for name in ("ucb/http", "new-off", "old-off"))
+    assert result["compared"]["new-off over old-off"]["server_cpu_per_token"] == round(
+        cpu["new-off"] / cpu["old-off"], 3)
+    assert result["compared"]["ucb/http over ucb/direct"]["server_cpu_per_token"] is None
     for name, compared in result["compared"].items():
         one, other = (result["configs"][n] for n in name.split(" over "))
         assert compared["tokens_per_s_by_round"] == [round(x / y, 3) for x, y in zip(

@@ -9,8 +9,11 @@ import json
 import multiprocessing
 import statistics
 import time
+import urllib.parse
 import urllib.request
 from collections import defaultdict
+
+import psutil
 
 from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
 from autotune.bench.concurrency import FirstOutput
@@ -61,6 +64,27 @@ def _client_process(base: str, bodies: list[list[dict]], pipe) -> None:
             pipe.send(RuntimeError(f"{exc}: {exc.__cause__!r}"))
 
 
+def _server_process(base: str) -> psutil.Process | None:
+    """The process on this machine that listens at `base`'s port, whose CPU time a round is
+    charged; None for a server elsewhere, or one whose sockets this user may not read."""
+    url = urllib.parse.urlsplit(base)
+    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        return None
+    try:
+        listening = [c.pid for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == url.port and c.pid]
+    except psutil.AccessDenied:
+        return None
+    return psutil.Process(listening[0]) if listening else None
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    """User and system seconds the process has run on every thread, those ended included (its
+    child processes, such as a llama.cpp backend's servers, not)."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def _pairs(names: list[str]) -> list[tuple[str, str]]:
     """The configurations compared round by round: for names "new-X" and "old-X" (servers given as
     `others`), new over old; for a policy served in process, over HTTP over directly."""
@@ -71,8 +95,10 @@ def _pairs(names: list[str]) -> list[tuple[str, str]]:
 def _compared(one: dict, other: dict) -> dict:
     """`one` configuration's figures over `other`'s: in all, and tokens/s round by round (rounds
     served minutes apart see the machine at different speeds; one round's pair saw it alike)."""
+    cpu = (one["server_cpu_ms_per_token"], other["server_cpu_ms_per_token"])
     return {"tokens_per_s": round(one["tokens_per_s"] / other["tokens_per_s"], 3),
             "ttft_s_p99": round(one["ttft_s_p99"] / other["ttft_s_p99"], 3),
+            "server_cpu_per_token": round(cpu[0] / cpu[1], 3) if None not in cpu else None,
             "tokens_per_s_by_round": [round(x / y, 3) for x, y in zip(one["tokens_per_s_by_round"],
                                                                       other["tokens_per_s_by_round"])]}
 
@@ -89,7 +115,11 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
     Latency: from sending a request to having its whole output; time to first token: to its
     first output text. `others` (name -> base URL): servers started elsewhere (another
     build of `autotune serve`, or any OpenAI-compatible server of the same model), served by
-    the same clients in the same turns."""
+    the same clients in the same turns. Server CPU per token: the seconds a server's process ran
+    (user and system, every thread) during its configuration's rounds, over the tokens they
+    served: the work a front end adds, beside what tokens/s shows of it. For `http`
+    configurations and servers on this machine; none for `direct` (the clients' threads share
+    its process)."""
     plan = client_plan(engine, classes, clients, requests_per_client)
     bodies = [[{"prompt": ids, "request_class": cls.name, "max_tokens": cls.max_new_tokens,
                 "temperature": cls.temperature, "top_p": cls.top_p, "seed": c * 1000 + j, "stream": True,
@@ -109,12 +139,19 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
         processes[-1].start()
     for pipe in pipes.values():  # no round may share the CPU with a client process starting up
         assert pipe.recv() == "ready"
-    stats = {name: {"seconds": 0.0, "served": [], "rounds": []} for name in [*controllers, *(others or {})]}
+    # whose CPU a configuration's rounds are charged: a server's process; in process, the clients'
+    # threads would be counted with the controller's, so none
+    processes_served = {**{name: psutil.Process() for name in bases},
+                        **{name: _server_process(base) for name, base in (others or {}).items()}}
+    stats = {name: {"seconds": 0.0, "served": [], "rounds": [], "cpu_s": 0.0}
+             for name in [*controllers, *(others or {})]}
     greedy: dict[tuple[int, int], set] = defaultdict(set)
     try:
         for r in range(rounds):
             for name in rotate(list(stats), r):
                 ctl, s = controllers.get(name), stats[name]
+                process = processes_served.get(name)
+                cpu_before = _cpu_seconds(process) if process else 0.0
                 if name in pipes:
                     pipes[name].send("go")
                     answer = pipes[name].recv()
@@ -136,6 +173,8 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
 
                     seconds = run_clients(client, clients)
                 s["seconds"] += seconds
+                if process:
+                    s["cpu_s"] += _cpu_seconds(process) - cpu_before
                 s["rounds"].append(sum(row[0] for rows in served for row in rows) / seconds)
                 for c, rows in enumerate(served):
                     for j, (tokens, latency, ttft, text) in enumerate(rows):
@@ -154,10 +193,12 @@ def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], cli
     out = {}
     for name, s in stats.items():
         tokens, latency, ttft = zip(*s["served"])
+        cpu_ms = round(1000 * s["cpu_s"] / sum(tokens), 3) if processes_served.get(name) else None
         out[name] = {"tokens_per_s": round(sum(tokens) / s["seconds"], 1),
                      "tokens_per_s_by_round": [round(t, 1) for t in s["rounds"]],
                      "latency_s_p50": round(statistics.median(latency), 3), "latency_s_p99": p99(latency),
-                     "ttft_s_p50": round(statistics.median(ttft), 3), "ttft_s_p99": p99(ttft)}
+                     "ttft_s_p50": round(statistics.median(ttft), 3), "ttft_s_p99": p99(ttft),
+                     "server_cpu_ms_per_token": cpu_ms}
     return {"device": device_name(engine), "clients": clients, "requests_per_client": requests_per_client,
             "rounds": rounds, "max_batch": max_batch, "configs": out,
             "http_vs_direct": {p: round(out[f"{p}/http"]["tokens_per_s"] / out[f"{p}/direct"]["tokens_per_s"], 3)
