@@ -713,7 +713,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-nice", type=at_least(0, high=19), default=19, metavar="N",
                    help="the HTTP event loop runs N steps below the engine's worker in CPU priority (Linux), so"
                         " connections' work (floods of connects, waves of closes) waits for decoding; it waits for"
-                        " other busy processes too (0: level, for cores shared with them)")
+                        " other busy processes in the server's scheduling group too (Linux's autogroup: its session;"
+                        " 0: level, for a server sharing its session with them)")
     p.add_argument("--verbose", action="store_true", help="log every HTTP request")
     p.set_defaults(func=cmd_serve)
 

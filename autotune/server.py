@@ -123,7 +123,8 @@ def run_below_the_engine(nice: int) -> None:
     the slowest normal request of a run under 20,000 idle connections 1.4-2.1x its quiet
     latency, against 1.9-2.8x with the loop level with the engine). Threads the loop starts
     later (a request's, a tokenizer's) take its priority; the engine's worker, started before,
-    does not."""
+    does not. Nice ranks threads within their scheduling group: with Linux's autogroup, a
+    session, so the loop yields to processes of other sessions no more than the server does."""
     if nice and sys.platform == "linux":
         thread = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))

@@ -519,5 +519,6 @@ def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_amo
     assert attack["server_descriptors_open"] > 40  # the attackers' connections were held, not refused
     assert attack["exit_code"] == 0  # SIGTERM stopped it with all of them open
     assert set(result["server_cpus"]) == set(cpus) - (attacker_cpus or set())  # the server's own, read back
+    assert result["server_own_session"]  # not ranked by nice against the attackers, which share the bench's
     with pytest.raises(ValueError, match="some, not all"):
         bench_hostile(attacker_cpus=set(cpus))

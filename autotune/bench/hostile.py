@@ -1,15 +1,16 @@
 """`autotune bench hostile`: `autotune serve` under requests meant to hurt it.
 
 A server process over the committed family (from the code at $PYTHONPATH, so an older checkout
-can be measured the same way), then: a 30 MB prompt, a 10 MB /tokenize, and `classes` distinct
-request classes, each request timed with the server's resident memory before and after, and the
-size and time of /metrics and /v1/autotune/policy once the classes are in. Last, `idle`
-connections that send nothing and `slow` clients that send a request's head a byte a second,
-held (and reopened when the server closes them) from two processes of their own, while normal
-requests are timed against the same requests on the quiet server: one a second from the
-attack's start for `held_s` (its flood of connects, the connections held, the head deadline's
-closes and the attackers' reopening), then ten each on a connection of its own and ten one after
-another on one kept-alive connection; then SIGTERM, with all of them still there.
+can be measured the same way), in a session of its own as a deployed server is, then: a 30 MB
+prompt, a 10 MB /tokenize, and `classes` distinct request classes, each request timed with the
+server's resident memory before and after, and the size and time of /metrics and
+/v1/autotune/policy once the classes are in. Last, `idle` connections that send nothing and
+`slow` clients that send a request's head a byte a second, held (and reopened when the server
+closes them) from two processes of their own, while normal requests are timed against the same
+requests on the quiet server: one a second from the attack's start for `held_s` (its flood of
+connects, the connections held, the head deadline's closes and the attackers' reopening), then
+ten each on a connection of its own and ten one after another on one kept-alive connection;
+then SIGTERM, with all of them still there.
 """
 
 from __future__ import annotations
@@ -30,10 +31,20 @@ import time
 import urllib.error
 import urllib.request
 
+import psutil
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+def _rss_mb(process: psutil.Process) -> int:
+    return round(process.memory_info().rss / 2**20)
+
+
+def _autogroup_enabled() -> bool | None:
+    """Whether the kernel groups each session's threads for CPU time (Linux's autogroup); None elsewhere."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return None
 
 
 def _call(url: str, body: dict | None = None, timeout: float = 600) -> tuple[int, float, int]:
@@ -181,14 +192,23 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                    "--db", f"sqlite:///{tmp}/hostile.db"]
         server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
                                   cwd=tmp,  # not this folder's code first on the path
+                                  # a session of its own, as a service manager or a shell starts a
+                                  # server: where the kernel groups a session's threads
+                                  # (autogroup), the server's then share the CPU with the
+                                  # attackers' processes as one group, and its threads' nice
+                                  # values rank them against each other, not against the attackers
+                                  start_new_session=True,
                                   preexec_fn=(lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None)
         try:
+            watched = psutil.Process(server.pid)
             base = server.stdout.readline().split(" at ")[1].split("/v1")[0]
             normal = {"prompt": "def add(a, b):\n    return", "max_tokens": 8, "temperature": 0,
                       "request_class": "code"}
             first = [_call(base + "/v1/completions", normal)[1] for _ in range(5)]
-            result = {"normal_request_s_median": statistics.median(first), "rss_mb_start": round(_rss_mb(server.pid)),
-                      "server_cpus": sorted(os.sched_getaffinity(server.pid))}
+            result = {"normal_request_s_median": statistics.median(first), "rss_mb_start": _rss_mb(watched),
+                      "server_cpus": sorted(os.sched_getaffinity(server.pid)),
+                      "server_own_session": os.getsid(server.pid) != os.getsid(0),
+                      "sched_autogroup": _autogroup_enabled()}
             # Over the body limit (8 MiB by default), refused before they are read; under it, a
             # prompt's length in characters is checked before it is tokenized.
             for name, path, body in [("prompt_30MB", "/v1/completions", {"prompt": "x = 1; " * 4_285_714,
@@ -197,7 +217,7 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                                      ("prompt_6MB", "/v1/completions", {"prompt": "x = 1; " * 857_142,
                                                                         "max_tokens": 4})]:
                 status, seconds, _ = _call(base + path, body)
-                result[name] = {"status": status, "seconds": seconds, "rss_mb_after": round(_rss_mb(server.pid))}
+                result[name] = {"status": status, "seconds": seconds, "rss_mb_after": _rss_mb(watched)}
                 if status == 0:  # closed while the body was sent: what the server answered from its head
                     status, seconds = _head_answer(base, path, len(json.dumps(body)))
                     result[name] |= {"answer_to_the_head": status, "answer_to_the_head_s": seconds}
@@ -214,7 +234,7 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                 result[name] = {"status": status, "seconds": seconds, "bytes": size}
             result["normal_request_s_after"] = statistics.median(
                 [_call(base + "/v1/completions", normal)[1] for _ in range(5)])
-            result["rss_mb_end"] = round(_rss_mb(server.pid))
+            result["rss_mb_end"] = _rss_mb(watched)
             port = int(base.rsplit(":", 1)[1])
             quiet = [_call(base + "/v1/completions", normal)[1] for _ in range(10)]
             quiet_kept_alive = _kept_alive(base, normal, 10)
@@ -228,7 +248,7 @@ def bench_hostile(classes: int = 300, idle: int = 20_000, slow: int = 50, held_s
                     time.sleep(max(0.0, at + 1 - (time.perf_counter() - started)))
                 timed = [_call(base + "/v1/completions", normal, timeout=30) for _ in range(10)]
                 kept_alive = _kept_alive(base, normal, 10)
-                rss, held = round(_rss_mb(server.pid)), len(os.listdir(f"/proc/{server.pid}/fd"))
+                rss, held = _rss_mb(watched), watched.num_fds()
                 server.send_signal(signal.SIGTERM)
                 stopped = time.perf_counter()
                 try:
