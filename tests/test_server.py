@@ -476,6 +476,12 @@ def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
         assert compared["tokens_per_s_by_round"] == [round(x / y, 3) for x, y in zip(
             one["tokens_per_s_by_round"], other["tokens_per_s_by_round"], strict=True)]
         assert len(compared["tokens_per_s_by_round"]) == 2
+        over_rounds, ratios = compared["tokens_per_s_over_rounds"], compared["tokens_per_s_by_round"]
+        assert (over_rounds is None) == (ratios[0] == ratios[1])
+        if over_rounds is not None:  # two rounds that differ: their mean and an interval between them
+            low, high = over_rounds["interval_95"]
+            assert min(ratios) - 0.001 <= low <= over_rounds["geometric_mean"] <= high <= max(ratios) + 0.001
+            assert over_rounds["geometric_mean"] == pytest.approx((ratios[0] * ratios[1]) ** 0.5, abs=0.002)
 
 
 @pytest.mark.parametrize("stream", [True, False])

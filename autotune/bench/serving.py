@@ -13,7 +13,9 @@ import urllib.parse
 import urllib.request
 from collections import defaultdict
 
+import numpy as np
 import psutil
+import scipy.stats
 
 from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
 from autotune.bench.concurrency import FirstOutput
@@ -92,15 +94,27 @@ def _pairs(names: list[str]) -> list[tuple[str, str]]:
     return pairs + [(name, name[:-4] + "direct") for name in names if name.endswith("/http")]
 
 
+def _rounds_interval(ratios: list[float]) -> dict | None:
+    """The round ratios' geometric mean and its 95 % interval, bootstrapped over the rounds: how
+    far a run's verdict can be trusted when rounds move more than the servers differ."""
+    if len(ratios) < 2 or len(set(ratios)) < 2:
+        return None
+    logs = np.log(ratios)
+    interval = scipy.stats.bootstrap((logs,), np.mean, method="percentile", random_state=0).confidence_interval
+    return {"geometric_mean": round(float(np.exp(logs.mean())), 3),
+            "interval_95": [round(float(np.exp(interval.low)), 3), round(float(np.exp(interval.high)), 3)]}
+
+
 def _compared(one: dict, other: dict) -> dict:
     """`one` configuration's figures over `other`'s: in all, and tokens/s round by round (rounds
     served minutes apart see the machine at different speeds; one round's pair saw it alike)."""
     cpu = (one["server_cpu_ms_per_token"], other["server_cpu_ms_per_token"])
+    by_round = [round(x / y, 3) for x, y in zip(one["tokens_per_s_by_round"], other["tokens_per_s_by_round"])]
     return {"tokens_per_s": round(one["tokens_per_s"] / other["tokens_per_s"], 3),
             "ttft_s_p99": round(one["ttft_s_p99"] / other["ttft_s_p99"], 3),
             "server_cpu_per_token": round(cpu[0] / cpu[1], 3) if None not in cpu else None,
-            "tokens_per_s_by_round": [round(x / y, 3) for x, y in zip(one["tokens_per_s_by_round"],
-                                                                      other["tokens_per_s_by_round"])]}
+            "tokens_per_s_by_round": by_round,
+            "tokens_per_s_over_rounds": _rounds_interval(by_round)}
 
 
 def bench_serve(engine: SpeculativeEngine, classes: dict[str, RequestClass], clients: int = 16,
