@@ -1,5 +1,5 @@
 """Adaptive autotuning controller for speculative decoding."""
 
-from autotune.controller import AutotuneController, ControlledResult, default_arms
+from autotune.control.controller import AutotuneController, ControlledResult, default_arms
 
 __all__ = ["AutotuneController", "ControlledResult", "default_arms"]

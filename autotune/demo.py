@@ -6,10 +6,10 @@ from collections import Counter, defaultdict
 
 from tqdm import tqdm
 
-from autotune.classes import Workload, builtin_classes
-from autotune.controller import AutotuneController
-from autotune.inspect_store import format_table
-from autotune.zoo import load_engine
+from autotune.control.controller import AutotuneController
+from autotune.control.inspect_store import format_table
+from autotune.data.classes import Workload, builtin_classes
+from autotune.train.zoo import load_engine
 from store import Store
 
 DEMO_WEIGHTS = {"code": 0.3, "docs": 0.2, "edit": 0.3, "creative": 0.2}

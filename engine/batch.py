@@ -20,10 +20,10 @@ a joiner's prefill runs each round while the rows decode: chunked prefill), and 
 request paused on the one-request path (`SpeculativeEngine.generate`'s `pause`): its target
 cache is handed over, and it goes on drawing where it stopped. Eager only
 (kvcache.GrowingCache), with drafters that declare `Capabilities(batch=True)` (the engine
-refuses others): a drafter's `lookup` drafts row by row, and the rows it leaves empty share its
-`model_drafter`'s batched steps, or draft with its feature head, a drafter of the head's for each
-row (`FeatureDrafter.for_row`), handed the features the batch's prefill and verifies computed
-for that row. A round itself is engine/round.py's, as for one request.
+refuses others): each drafts through what its `for_batch` gives (engine/drafters.py
+`BatchDrafting`; a model's is `ModelBatch` below, a feature head's engine/feature.py's
+`HeadBatch`), and the batch never asks a drafter its kind. A round itself is
+engine/round.py's, as for one request.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from engine.drafters import ModelDrafter, model_drafter_of
+from engine.drafters import BatchDrafting, ModelDrafter, capabilities
 from engine.errors import InvalidRequestError
-from engine.feature import FeatureDrafter, feature_head_of
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
 from engine.round import Drafts, Row, decode_round, stream
@@ -427,20 +426,43 @@ def _positions(live: torch.Tensor, start: list[int]) -> torch.Tensor:
     return before + torch.tensor(start, device=live.device)[:, None]
 
 
-class BatchDrafter:
-    """A model drafter run for the whole batch: K one-token steps (the first may catch up 2)."""
+class ModelBatch:
+    """A model drafter's drafting for the rows of a batch: K one-token steps of its model over a
+    batch cache of its own (the first step may catch a row up on tokens lookup drafted)."""
 
-    def __init__(self, drafter: ModelDrafter, rows: list[Row]) -> None:
+    def __init__(self, drafter: ModelDrafter) -> None:
+        self.drafter = drafter
         self.prefixes = drafter.runner.prefixes  # the drafter's kept prompts
-        self.cache = prefilled(drafter.model, [r.tokens[:-1] for r in rows], prefixes=self.prefixes).cache
+        self.cache: BatchCache | None = None  # None: it holds no row yet
+        self.first_slot = 0  # this round's: where its first draft token goes
+
+    def _prefilled(self, rows: list[Row]) -> BatchCache:
+        cache = prefilled(self.drafter.model, [r.tokens[:-1] for r in rows], prefixes=self.prefixes).cache
         for r in rows:
             r.seen = len(r.tokens) - 1
+        return cache
 
-    def propose(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def catch_up(self, rows: list[Row]) -> bool:
+        if self.cache is not None:
+            return False
+        self.cache = self._prefilled(rows)
+        return True
+
+    def join(self, rows: list[Row], fed: list, replace: bool) -> bool:
+        cache = self._prefilled(rows)
+        if replace or self.cache is None:
+            self.cache = cache
+        else:
+            self.cache.extend(cache)
+        return True
+
+    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
+        if max(ks, default=0) == 0:
+            return Drafts.none(len(rows))
         device = self.cache.model.device
         ids, live = _block([r.tokens[r.seen:] for r in rows], device, right=True)
         positions = _positions(live, [r.seen for r in rows])
-        self.first_slot = self.cache.slots + ids.shape[1] - 1  # where the first draft token goes
+        self.first_slot = self.cache.slots + ids.shape[1] - 1
         drafts: list[list[int]] = [[] for _ in rows]
         dists: list[list[torch.Tensor]] = [[] for _ in rows]
         for i in range(max(ks)):
@@ -462,13 +484,31 @@ class BatchDrafter:
             live = torch.ones_like(ids, dtype=torch.bool)
         for r in rows:
             r.seen = len(r.tokens)
-        return drafts, [torch.stack(d) if d else None for d in dists]
+        return Drafts(drafts, [torch.stack(d) if d else None for d in dists], steps=max(ks))
 
-    def rollback(self, b: int, row: Row, kept_drafts: int, steps: int) -> None:
-        """Row b kept `kept_drafts` drafts; the drafter fed the first `steps - 1` of its drafts."""
-        fed = min(kept_drafts, steps - 1)
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        """The model fed the first `steps - 1` of its drafts; a row lookup drafted kept none of them."""
+        if not drafts.steps:
+            return
+        fed = min(kept if drafts.tokens[b] else 0, drafts.steps - 1)
         self.cache.forget(b, self.first_slot + 1 + fed)
         row.seen += fed
+
+    def select(self, order: list[int]) -> None:
+        if order and self.cache is not None:
+            self.cache.select(order)
+
+    def keep(self, b: int, row: Row, length: int) -> None:
+        if self.prefixes is not None and self.cache is not None:
+            seen = min(row.seen, length)
+            self.prefixes.insert(row.tokens[:seen], lambda: self.cache.row(b, seen))
+
+    def compact_if_sparse(self) -> None:
+        if self.cache is not None:
+            self.cache.compact_if_sparse()
+
+    def part_for(self, drafter) -> ModelBatch | None:
+        return self if drafter is self.drafter else None
 
 
 @dataclass
@@ -516,68 +556,40 @@ class BatchRun:
         self.finished: list[int] = []  # rows done since the caller last took them
         self.failed: list[tuple[int, Exception]] = []  # rows whose prefill failed, since the caller last took them
         self.target_cache: BatchCache | None = None
-        self.batch_drafter: BatchDrafter | None = None
-        self.heads: dict[int, FeatureDrafter] = {}  # row index -> its drafter, on an arm with a feature head
+        self.drafts: BatchDrafting | None = None  # the drafter's state for the live rows (`Drafter.for_batch`)
         self.fell_back, self.error = False, None
         # Tokens the rounds committed, and live rows summed over rounds (OFF commits one per row
         # per round, so committed / row_rounds is a round's gain over OFF; row_rounds / rounds, the mean load).
         self.committed = 0
         self.row_rounds = 0
-        # This round's, for `accepted`: where the verify's slots begin in the target's cache (set by
-        # `verify`), and which rows took the model's drafts, not lookup's (set by `draft`).
-        self.first_slot = 0
-        self.from_model: list[bool] = []
+        self.first_slot = 0  # this round's: where the verify's slots begin in the target's cache
         self.started = clock()
-        self._set_arm(drafter, k)
-
-    def _set_arm(self, drafter, k: int) -> None:
         self.drafter, self.k = drafter, k
-        self.head = feature_head_of(drafter) if drafter is not None else None
+        self.drafts = drafter.for_batch(target) if drafter is not None else None
+
+    @property
+    def _features(self) -> bool:
+        """The drafter drafts from the target's features: prefills and verifies keep them."""
+        return self.drafts is not None and capabilities(self.drafter).features
 
     def switch(self, drafter, k: int) -> None:
-        """Decode on (drafter, k) from the next round on."""
-        model, head = model_drafter_of(drafter), feature_head_of(drafter)
-        changed = model is not None and model is not model_drafter_of(self.drafter)
-        changed_head = head is not None and head is not self.head
-        if (changed or changed_head) and self.live and not self.fell_back:
+        """Decode on (drafter, k) from the next round on. A drafter new to the batch takes in the
+        live rows now (its prefill); what the current one holds for the same model is kept."""
+        if self.fell_back:
+            return
+        drafts = drafter.for_batch(self.target, self.drafts) if drafter is not None else None
+        if drafts is not None and self.live:
             began = self.clock()
             try:
-                if changed:
-                    self.batch_drafter = BatchDrafter(model, [self.rows[i] for i in self.live])
-                if changed_head:
-                    self.heads = self._row_heads(head, self.live)
+                prefilled_rows = drafts.catch_up([self.rows[i] for i in self.live])
             except Exception as exc:  # speculation must never lose a request
                 self.fall_back(f"{type(exc).__name__}: {exc}")
                 return
-            spent = self.clock() - began
-            self.batch.prefill_s += spent  # a prefill, the drafter's only, as a join's counts it
-            self.batch.draft_prefill_s += spent
-        if model is None:
-            self.batch_drafter = None
-        if head is None:
-            self.heads = {}
-        if not self.fell_back:
-            self._set_arm(drafter, k)
-
-    def _row_heads(self, head: FeatureDrafter, indexes: list[int],
-                   fed: dict[int, tuple[int, torch.Tensor]] | None = None) -> dict[int, FeatureDrafter]:
-        """A drafter of `head`'s for each of these rows (`FeatureDrafter.for_row`), handed the
-        target's features of every position the row has fed: those its prefill kept (`fed`: row
-        index -> its first position fed and their features), else one forward
-        of the target over the row's context, as a model drafter taken up mid-run is prefilled
-        (the batch's cache holds keys and values, not features)."""
-        heads = {}
-        for i in indexes:
-            row = self.rows[i]
-            drafter = heads[i] = head.for_row()
-            drafter.begin(torch.tensor(row.tokens[:row.stopping.output_start]), row.prompt_len + row.max_new_tokens)
-            if fed and i in fed:
-                drafter.take_features(*fed[i])
-                continue
-            context = torch.tensor([row.tokens[:-1]], device=self.target.device)
-            out = self.target(input_ids=context, use_cache=False, output_hidden_states=True, logits_to_keep=1)
-            drafter.take_features(0, out.hidden_states[-1][0])
-        return heads
+            if prefilled_rows:
+                spent = self.clock() - began
+                self.batch.prefill_s += spent  # a prefill, the drafter's only, as a join's counts it
+                self.batch.draft_prefill_s += spent
+        self.drafter, self.k, self.drafts = drafter, k, drafts
 
     def elapsed(self) -> float:
         """Engine seconds since the run began (the streamers' time left out)."""
@@ -623,7 +635,7 @@ class BatchRun:
         asked = [r.sampling.prompt_logprobs if r.resumes is None else None for r in rows]
         return prefill_steps(self.target, [r.tokens[:-1] if r.resumes else r.tokens for r in rows], asked,
                              [r.cached if r.resumes else None for r in rows], chunk_tokens=chunk_tokens,
-                             prefixes=self.prefixes, features=self.head is not None)
+                             prefixes=self.prefixes, features=self._features)
 
     def _advance_joins(self) -> None:
         """Prefill forwards of the waiting joins, oldest first, while this round's stay within
@@ -681,20 +693,15 @@ class BatchRun:
                     r.prompt_logprobs = prefill.prompt_logprobs[b]
                 r.start(prefill.last_logits[b])
         draft_prefill = 0.0
-        drafter_cache = None
-        model = model_drafter_of(self.drafter)
-        if model is not None or self.head is not None:
+        if self.drafts is not None:
             began = self.clock()
+            fed = [(n, states) if states is not None else None for n, states in zip(reused, prefill.features)]
             try:
-                if model is not None:
-                    drafter_cache = BatchDrafter(model, rows)
-                if self.head is not None:
-                    fed = {i: (n, states) for i, n, states in zip(indexes, reused, prefill.features)
-                           if states is not None}
-                    self.heads.update(self._row_heads(self.head, indexes, fed))
+                ran = self.drafts.join(rows, fed, replace=not self.live)
             except Exception as exc:  # speculation must never lose a request
                 self.fall_back(f"{type(exc).__name__}: {exc}")
-            draft_prefill = self.clock() - began
+                ran = True
+            draft_prefill = self.clock() - began if ran else 0.0
         self.batch.prefill_s += draft_prefill
         self.batch.draft_prefill_s += draft_prefill
         for r, n in zip(rows, reused):
@@ -705,11 +712,8 @@ class BatchRun:
             r.metrics.cached_prompt_tokens = n
         if self.live:
             self.target_cache.extend(cache)
-            if self.batch_drafter is not None:
-                self.batch_drafter.cache.extend(drafter_cache.cache)
         else:  # the first rows, or every row before them has finished
             self.target_cache = cache
-            self.batch_drafter = drafter_cache
         self.live += indexes
         stream(rows, [r.prompt_len for r in rows], self.batch, prompt=True)
         self._drop_finished()
@@ -721,8 +725,8 @@ class BatchRun:
         if not self.live:
             return
         self.target_cache.compact_if_sparse()
-        if self.batch_drafter is not None:
-            self.batch_drafter.cache.compact_if_sparse()
+        if self.drafts is not None:
+            self.drafts.compact_if_sparse()
         active = [self.rows[i] for i in self.live]
         starts = [len(r.tokens) for r in active]
         began = self.clock()
@@ -744,56 +748,31 @@ class BatchRun:
         return self.drafter is not None
 
     def draft(self, rows: list[Row], ks: list[int]) -> Drafts:
-        """Lookup drafts row by row where the drafter has a lookup, the model's drafts in batched
-        steps for the rows lookup left empty."""
-        lookup = getattr(self.drafter, "lookup", None)
-        drafts = Drafts.none(len(rows))
-        if lookup is not None:
-            drafts.tokens = [lookup.propose(r.tokens, kb, r.sampling, r.generator)[0] for r, kb in zip(rows, ks)]
-        if self.heads:  # the rows lookup left empty, a head step for all of them at once
-            todo = [b for b, kb in enumerate(ks) if kb > 0 and not drafts.tokens[b]]
-            proposed = FeatureDrafter.propose_rows([self.heads[self.live[b]] for b in todo],
-                                                   [rows[b].tokens for b in todo], [ks[b] for b in todo],
-                                                   [rows[b].sampling for b in todo], [rows[b].generator for b in todo])
-            for b, (tokens, dist) in zip(todo, proposed):
-                drafts.tokens[b], drafts.dists[b] = tokens, dist
-        self.from_model = [kb > 0 and not d and self.batch_drafter is not None for d, kb in zip(drafts.tokens, ks)]
-        model_ks = [kb if m else 0 for kb, m in zip(ks, self.from_model)]
-        if max(model_ks) > 0:
-            tokens, dists = self.batch_drafter.propose(rows, model_ks)
-            drafts.steps = max(model_ks)
-            for b in range(len(rows)):
-                if self.from_model[b]:
-                    drafts.tokens[b], drafts.dists[b] = tokens[b], dists[b]
-        return drafts
+        return self.drafts.propose(rows, ks)
 
     def verify(self, rows: list[Row], drafts: list[list[int]]) -> torch.Tensor:
         """The target's forward over each row's last token and its drafts, left-aligned."""
         ids, live = _block([[r.tokens[-1], *d] for r, d in zip(rows, drafts)], self.target.device, right=False)
         positions = _positions(torch.ones_like(live), [len(r.tokens) - 1 for r in rows])
         self.first_slot = self.target_cache.slots
-        return self.target_cache.forward(ids, positions, live, features=bool(self.heads))
+        return self.target_cache.forward(ids, positions, live, features=self._features)
 
     def undo_verify(self, rows: list[Row]) -> None:
         crop_layers(self.target_cache.cache, self.first_slot)
 
     def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts) -> None:
         self.target_cache.forget(b, self.first_slot + 1 + kept)
-        if drafts.steps:  # a lookup row kept none of the model's drafts, only its catch-up
-            self.batch_drafter.rollback(b, row, kept if self.from_model[b] else 0, drafts.steps)
-        if self.heads:  # the verify fed the last token and the drafts from start - 1
-            head = self.heads[self.live[b]]
-            try:
-                if drafts.tokens[b]:
-                    head.rollback(start + kept)
-                head.take_features(start - 1, self.target_cache.hidden[b, : kept + 1])
-            except Exception as exc:
-                self.fall_back(f"drafter features: {type(exc).__name__}: {exc}")
+        if self.drafts is None:
+            return
+        hidden = self.target_cache.hidden[b] if self._features else None
+        try:
+            self.drafts.accepted(b, row, start, kept, drafts, hidden)
+        except Exception as exc:  # speculation must never lose a request
+            self.fall_back(f"drafter: {type(exc).__name__}: {exc}")
 
     def fall_back(self, error: str) -> None:
         """The drafter failed: the rest of the run is OFF, and every request is still served."""
-        self.drafter, self.batch_drafter, self.fell_back, self.error = None, None, True, error
-        self.head, self.heads = None, {}
+        self.drafter, self.drafts, self.fell_back, self.error = None, None, True, error
 
     def _drop_finished(self) -> None:
         """Finished rows leave the batch (and wait in `finished` for the caller)."""
@@ -813,11 +792,10 @@ class BatchRun:
         self.live[:] = [self.live[b] for b in order]
         if order:
             self.target_cache.select(order)
-            if self.batch_drafter is not None:
-                self.batch_drafter.cache.select(order)
+        if self.drafts is not None:
+            self.drafts.select(order)
         for i in finished:
             self.rows[i].metrics.total_s = elapsed - self.rows[i].joined_s
-            self.heads.pop(i, None)
         self.finished += finished
 
 
@@ -827,7 +805,5 @@ class BatchRun:
         n = len(row.tokens) - 1  # the last token was never fed (a stop string may have cut fed ones)
         if self.prefixes is not None:
             self.prefixes.insert(row.tokens[:n], lambda: self.target_cache.row(b, n))
-        drafter = self.batch_drafter
-        if drafter is not None and drafter.prefixes is not None:
-            seen = min(row.seen, n)
-            drafter.prefixes.insert(row.tokens[:seen], lambda: drafter.cache.row(b, seen))
+        if self.drafts is not None:
+            self.drafts.keep(b, row, n)

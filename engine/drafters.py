@@ -6,11 +6,11 @@ The interface is two calls, in the spirit of transformers' candidate generators:
 drafter with a KV cache trims it instead of recomputing the prefix. New drafter kinds
 (early-exit self-drafting, Medusa heads, ...) implement the same protocol, in one class.
 
-Beyond the protocol a drafter declares what else the engine may do with it (`Capabilities`),
-and what it is made of: `model_drafter`, the small model whose cache the engine sizes,
-compiles, batches and keeps prompts for, and `lookup`, the prompt lookup it tries first each
-round. Batching and the controller's counterfactual replay read those declarations; neither
-asks a drafter its type.
+Beyond the protocol a drafter declares what else it can do (`Capabilities`) and implements
+what it declares: with `batch`, `for_batch` gives its drafting for the rows of a batch
+(`BatchDrafting`); with `replay`, `replay_chains` says how far its drafts would have been kept
+along a served sequence (engine/replay.py). The batch and the controller's replay call those
+methods and never ask a drafter its type.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from engine.replay import ReplayChains, ReplayInputs, lookup_chains, model_chains
+from engine.round import Drafts, Row
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, draft_token
 
@@ -30,7 +32,7 @@ class Capabilities:
     """What a drafter can do besides the protocol's calls."""
 
     batch: bool = False  # drafts for a batch's rows: its `lookup` row by row, its `model_drafter` in batched steps
-    replay: bool = False  # the controller can replay it on a served request's tokens (autotune/counterfactual.py)
+    replay: bool = False  # the controller can replay it on a served request's tokens (autotune/rewards/replay.py)
     features: bool = False  # drafts from the target's hidden states, handed over by `take_features` (engine/feature.py)
     # drafts with the target's own layers and cache, handed over by `share` (engine/layer_skip.py)
     shares_target: bool = False
@@ -74,6 +76,130 @@ class Drafter(Protocol):
     def rollback(self, valid_length: int) -> None:
         """`tokens[:valid_length]` from the last `propose` are now committed; forget the rest."""
         ...
+
+
+class BatchDrafting(Protocol):
+    """A drafter's drafting for the rows of one batch (engine/batch.py `BatchRun`): whatever it
+    keeps per row (a cache, a head's state), in the batch's row order. The batch calls these and
+    nothing else; a drafter makes one with `for_batch(target, reuse)`, where `reuse` is the
+    batch's current one, whose parts that draft with the same model it takes over rather than
+    prefill again (`part_for`)."""
+
+    def catch_up(self, rows: list[Row]) -> bool:
+        """Hold the batch's live `rows` (the arm switched to this drafter mid-run); True if that ran a forward."""
+        ...
+
+    def join(self, rows: list[Row], fed: list[tuple[int, torch.Tensor] | None], replace: bool) -> bool:
+        """Rows join after the live ones (`replace`: none is live), with the target's features of
+        the positions their prefill fed, (first position, [T, H]), where it kept them; True if
+        that ran a forward."""
+        ...
+
+    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
+        """Up to ks[b] draft tokens for row b."""
+        ...
+
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        """Row b kept `kept` of this round's `drafts` from position `start`; `hidden`: the target's
+        features [T, H] of the positions the verify fed for it, when the drafter asks for them."""
+        ...
+
+    def select(self, order: list[int]) -> None:
+        """Rows left: new row j is old row order[j] (none left: `order` is empty)."""
+        ...
+
+    def keep(self, b: int, row: Row, length: int) -> None:
+        """A finished row b: keep what it holds of `row.tokens[:length]` for later prompts (engine/prefix.py)."""
+        ...
+
+    def compact_if_sparse(self) -> None:
+        """Drop the holes rejected drafts left, where they are most of what it holds."""
+        ...
+
+    def part_for(self, drafter) -> BatchDrafting | None:
+        """The part of this that drafts for `drafter` (itself, a hybrid's inner part), or None."""
+        ...
+
+
+def reusable(reuse: BatchDrafting | None, drafter) -> BatchDrafting | None:
+    """What of the batch's current drafting (`reuse`) drafts for `drafter` already."""
+    return reuse.part_for(drafter) if reuse is not None else None
+
+
+class RowByRow:
+    """The batched drafting of a drafter that drafts from the tokens alone, with no state of its
+    own (prompt lookup): each row's drafts from `propose`."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def catch_up(self, rows: list[Row]) -> bool:
+        return False
+
+    def join(self, rows: list[Row], fed: list, replace: bool) -> bool:
+        return False
+
+    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
+        return Drafts([self.drafter.propose(r.tokens, k, r.sampling, r.generator)[0] for r, k in zip(rows, ks)],
+                      [None] * len(rows))
+
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        pass
+
+    def select(self, order: list[int]) -> None:
+        pass
+
+    def keep(self, b: int, row: Row, length: int) -> None:
+        pass
+
+    def compact_if_sparse(self) -> None:
+        pass
+
+    def part_for(self, drafter) -> BatchDrafting | None:
+        return self if drafter is self.drafter else None
+
+
+class HybridBatch(RowByRow):
+    """A hybrid's batched drafting: lookup row by row, its inner drafter's batched drafting for
+    the rows lookup left empty (only they draft there, but every row catches up)."""
+
+    def __init__(self, drafter: HybridDrafter, inner: BatchDrafting) -> None:
+        super().__init__(drafter)
+        self.inner = inner
+        self._round: tuple[Drafts, Drafts] | None = None  # this round's drafts, and the inner drafter's own
+
+    def catch_up(self, rows: list[Row]) -> bool:
+        return self.inner.catch_up(rows)
+
+    def join(self, rows: list[Row], fed: list, replace: bool) -> bool:
+        return self.inner.join(rows, fed, replace)
+
+    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
+        lookup = self.drafter.lookup
+        looked_up = [lookup.propose(r.tokens, k, r.sampling, r.generator)[0] for r, k in zip(rows, ks)]
+        inner_ks = [0 if d else k for d, k in zip(looked_up, ks)]
+        inner = self.inner.propose(rows, inner_ks) if max(inner_ks, default=0) > 0 else Drafts.none(len(rows))
+        drafts = Drafts([d or own for d, own in zip(looked_up, inner.tokens)],
+                        [None if d else q for d, q in zip(looked_up, inner.dists)], inner.steps)
+        self._round = (drafts, inner)
+        return drafts
+
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        ours = self._round is not None and drafts is self._round[0]
+        inner = self._round[1] if ours else Drafts.none(len(drafts.tokens))
+        self.inner.accepted(b, row, start, kept, inner, hidden)
+
+    def select(self, order: list[int]) -> None:
+        self.inner.select(order)
+
+    def keep(self, b: int, row: Row, length: int) -> None:
+        self.inner.keep(b, row, length)
+
+    def compact_if_sparse(self) -> None:
+        self.inner.compact_if_sparse()
+
+    def part_for(self, drafter) -> BatchDrafting | None:
+        return self if drafter is self.drafter else self.inner.part_for(drafter)
 
 
 class ModelDrafter:
@@ -129,6 +255,15 @@ class ModelDrafter:
             step = torch.tensor([[token]], device=device)
         return draft, (torch.stack(dists) if dists else None)
 
+    def for_batch(self, target: PreTrainedModel, reuse: BatchDrafting | None = None) -> BatchDrafting:
+        """Batched steps over a batch cache of this model's (engine/batch.py `ModelBatch`)."""
+        from engine.batch import ModelBatch
+
+        return reusable(reuse, self) or ModelBatch(self)
+
+    def replay_chains(self, inputs: ReplayInputs) -> ReplayChains:
+        return ReplayChains(model_chains(self.model, inputs))
+
     def keep(self, tokens: list[int]) -> None:
         """Keep the positions of `tokens` this drafter's cache holds for later prompts (engine/prefix.py)."""
         self.runner.keep(tokens[:self._seen])
@@ -165,6 +300,13 @@ class NGramDrafter:
 
     def begin(self, prompt: torch.Tensor, max_length: int) -> None:
         pass
+
+    def for_batch(self, target: PreTrainedModel, reuse: BatchDrafting | None = None) -> BatchDrafting:
+        return RowByRow(self)
+
+    def replay_chains(self, inputs: ReplayInputs) -> ReplayChains:
+        chains, proposed = lookup_chains(self, inputs.sequence, inputs.start, inputs.k, inputs.target)
+        return ReplayChains(chains, proposed)
 
     def propose(self, tokens, k, params, generator):
         end = len(tokens)
@@ -232,6 +374,18 @@ class HybridDrafter:
 
     def begin(self, prompt: torch.Tensor, max_length: int) -> None:
         self.inner.begin(prompt, max_length)
+
+    def for_batch(self, target: PreTrainedModel, reuse: BatchDrafting | None = None) -> BatchDrafting:
+        return reusable(reuse, self) or HybridBatch(self, self.inner.for_batch(target, reuse))
+
+    def replay_chains(self, inputs: ReplayInputs) -> ReplayChains | None:
+        """Lookup's chains where it proposes, the inner drafter's elsewhere."""
+        inner = self.inner.replay_chains(inputs) if capabilities(self.inner).replay else None
+        if inner is None:
+            return None
+        looked_up, proposed = lookup_chains(self.lookup, inputs.sequence, inputs.start, inputs.k, inputs.target)
+        return ReplayChains([a if n else b for a, n, b in zip(looked_up, proposed, inner.chains)],
+                            [n or inputs.k for n in proposed], [n > 0 for n in proposed])
 
     def propose(self, tokens, k, params, generator):
         draft, _ = self.lookup.propose(tokens, k, params, generator)

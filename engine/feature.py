@@ -35,10 +35,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.arms import MAX_K
-from engine.drafters import Capabilities, lookup_of
+from engine.drafters import BatchDrafting, Capabilities, lookup_of, reusable
 from engine.errors import IncompatibleDrafterError
+from engine.replay import ReplayChains, ReplayInputs
+from engine.round import Drafts, Row
 from engine.runner import COMPILED_CACHE_LEN, CPU_ONE_TOKEN, compile_fixed, first_call_timed
-from engine.sampling import SamplingParams, draft_token
+from engine.sampling import SamplingParams, draft_token, probabilities
 
 HEAD_CONFIG = "head.json"
 HEAD_WEIGHTS = "head.safetensors"
@@ -363,6 +365,14 @@ class FeatureDrafter:
         row._embed, row._lm_head, row.max_length = self._embed, self._lm_head, self.max_length
         return row
 
+    def for_batch(self, target: nn.Module, reuse: BatchDrafting | None = None) -> BatchDrafting:
+        """A drafter of this head's for each row of a batch, its head steps for all rows at once."""
+        return reusable(reuse, self) or HeadBatch(self, target)
+
+    def replay_chains(self, inputs: ReplayInputs) -> ReplayChains | None:
+        chains = feature_chains(self, inputs)
+        return ReplayChains(chains) if chains is not None else None
+
     def _buffers(self, length: int) -> tuple[HeadCache, torch.Tensor]:
         param = next(self.head.parameters())
         shape = (1, self.head.config.heads, length, self.head.config.head_dim)
@@ -540,3 +550,104 @@ class FeatureDrafter:
         # Real pairs were fed only below the last committed token: they all stay. What the draft
         # steps wrote lies beyond and is overwritten by the next round's real pairs.
         self._have = min(self._have, valid_length)
+
+
+class HeadBatch:
+    """A feature head's drafting for the rows of a batch: a drafter of the head's for each row
+    (`FeatureDrafter.for_row`), in the batch's row order, handed the target's features of the
+    positions each row commits; a round's head steps run for every drafting row at once."""
+
+    def __init__(self, drafter: FeatureDrafter, target: nn.Module) -> None:
+        self.drafter, self.target = drafter, target
+        self.rows: list[FeatureDrafter] | None = None  # None: it holds no row yet
+
+    def _row(self, row: Row, fed: tuple[int, torch.Tensor] | None) -> FeatureDrafter:
+        """A row's drafter, handed the features its prefill kept (`fed`), else those of one
+        forward of the target over the row's context (the batch's cache holds keys and values,
+        not features)."""
+        drafter = self.drafter.for_row()
+        drafter.begin(torch.tensor(row.tokens[:row.stopping.output_start]), row.prompt_len + row.max_new_tokens)
+        if fed is None:
+            context = torch.tensor([row.tokens[:-1]], device=self.target.device)
+            out = self.target(input_ids=context, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+            fed = (0, out.hidden_states[-1][0])
+        drafter.take_features(*fed)
+        return drafter
+
+    def catch_up(self, rows: list[Row]) -> bool:
+        if self.rows is not None:
+            return False
+        self.rows = [self._row(r, None) for r in rows]
+        return True
+
+    def join(self, rows: list[Row], fed: list[tuple[int, torch.Tensor] | None], replace: bool) -> bool:
+        joining = [self._row(r, f) for r, f in zip(rows, fed)]
+        self.rows = joining if replace or self.rows is None else self.rows + joining
+        return True
+
+    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
+        drafts = Drafts.none(len(rows))
+        todo = [b for b, k in enumerate(ks) if k > 0]
+        proposed = FeatureDrafter.propose_rows([self.rows[b] for b in todo], [rows[b].tokens for b in todo],
+                                               [ks[b] for b in todo], [rows[b].sampling for b in todo],
+                                               [rows[b].generator for b in todo])
+        for b, (tokens, dist) in zip(todo, proposed):
+            drafts.tokens[b], drafts.dists[b] = tokens, dist
+        return drafts
+
+    def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts, hidden: torch.Tensor | None) -> None:
+        drafter = self.rows[b]
+        if drafts.tokens[b]:
+            drafter.rollback(start + kept)
+        drafter.take_features(start - 1, hidden[: kept + 1])  # the verify fed the last token and the drafts
+
+    def select(self, order: list[int]) -> None:
+        if self.rows is not None:
+            self.rows = [self.rows[b] for b in order]
+
+    def keep(self, b: int, row: Row, length: int) -> None:
+        pass
+
+    def compact_if_sparse(self) -> None:
+        pass
+
+    def part_for(self, drafter) -> BatchDrafting | None:
+        return self if drafter is self.drafter else None
+
+
+def target_features(model, sequence: list[int], memo: dict) -> Features:
+    """The target's features over the sequence (its last hidden states, what it hands a feature
+    head while serving): those the request served handed over where `memo` holds them (under
+    "features"), else from one forward over the sequence, kept in `memo`."""
+    if "features" not in memo:
+        with torch.inference_mode():
+            out = model(torch.tensor([sequence], device=model.device), use_cache=False, output_hidden_states=True,
+                        logits_to_keep=1)
+        memo["features"] = Features(0, out.hidden_states[-1][0])
+    return memo["features"]
+
+
+def feature_chains(drafter: FeatureDrafter, inputs: ReplayInputs) -> list[list[float]] | None:
+    """For each position from `inputs.start`: the acceptance probability of each of k drafts of
+    a feature head's round from there (`FeatureDrafter.replay_logits`: greedy, exactly the
+    head's rounds); None where the request edits its logits (the head's drafts then see edits
+    along their own drafts, which this replay does not apply)."""
+    sequence, start, k, target, sampling, memo = (inputs.sequence, inputs.start, inputs.k, inputs.target,
+                                                  inputs.sampling, inputs.memo)
+    if sampling is not None and sampling.adjusts_logits:
+        return None
+    if ("head", drafter, k) in memo:  # a hybrid drafting with the same head
+        return memo["head", drafter, k]
+    with torch.inference_mode():
+        features = target_features(inputs.target_model, sequence, memo)
+        if target is None:  # [k, R]: draft j of the round from start + r drafts sequence[start + r + j]
+            accept = drafter.replay_kept(features, sequence, start, k)
+            rounds = accept.shape[1]
+        else:
+            logits = drafter.replay_logits(features, sequence, start, k)  # [k, R, V]
+            rounds = logits.shape[1]
+            offsets = torch.arange(rounds, device=logits.device)[None] + torch.arange(k, device=logits.device)[:, None]
+            accept = torch.minimum(target[offsets.clamp(max=rounds - 1)], probabilities(logits, sampling)).sum(-1)
+    accept = accept.tolist()
+    memo["head", drafter, k] = [[accept[j][r] for j in range(min(k, rounds - r))] for r in range(rounds)]
+    return memo["head", drafter, k]

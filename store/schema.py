@@ -97,7 +97,7 @@ class PolicyState(Base):
 class PolicyUpdate(Base):
     """One update a controller taught its policy, journaled with the observations: what a policy
     learned is the fold of these in id order, so it survives any crash the observations survive,
-    and several controllers on one store add up their evidence (autotune/learning.py)."""
+    and several controllers on one store add up their evidence (autotune/control/learning.py)."""
 
     __tablename__ = "autotune_policy_updates"
     __table_args__ = (Index("ix_updates_policy", "policy", "id"),)

@@ -31,9 +31,9 @@ from autotune.backends import (
 from autotune.backends.controller import bounded_speedup
 from autotune.backends.llamacpp_build import check_gpt2_pretokenizer, default_dir
 from autotune.backends.routing import Replica, RoutingBackend
-from autotune.classes import builtin_classes
-from autotune.inspect_store import latest_policy
-from autotune.zoo import DEFAULT_FAMILY_DIR, load_engine
+from autotune.control.inspect_store import latest_policy
+from autotune.data.classes import builtin_classes
+from autotune.train.zoo import DEFAULT_FAMILY_DIR, load_engine
 from engine import OFF, Arm
 from store import Store
 
@@ -228,7 +228,7 @@ def test_the_server_in_front_of_llamacpp(llama_servers, prompts, tokenizer):
     controller, the same text as llama.cpp's own greedy output; an option llama.cpp is not sent
     is refused by name; /metrics counts what was served."""
     from autotune.backends.serving import ServedBackend
-    from autotune.server import CompletionServer
+    from autotune.serve.server import CompletionServer
 
     backend, _ = llama_servers
     served = ServedBackend(BackendController(backend, policy="ucb", tokenizer=tokenizer), max_length=1024)

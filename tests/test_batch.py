@@ -438,7 +438,8 @@ def test_a_batch_that_runs_for_long_drops_its_holes_and_stays_lossless(engine, a
             added += session.add([pool[(len(added) + j) % 24] for j in range(min(len(done), 200 - len(added)))])
         session.step()
         rounds += 1
-        caches = [session._run.target_cache] + ([session._run.batch_drafter.cache] if arm != "off" else [])
+        drafts = session._run.drafts  # a model's batched drafting, or a hybrid's around one
+        caches = [session._run.target_cache] + ([getattr(drafts, "inner", drafts).cache] if arm != "off" else [])
         widest = max(widest, *(cache.slots for cache in caches))
         longest = max(longest, *(len(session._run.rows[i].tokens) for i in session.live), 0)
     out = session.close()

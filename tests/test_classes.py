@@ -2,8 +2,8 @@
 
 from transformers import AutoTokenizer
 
-from autotune.classes import builtin_classes, edit_example, stdlib_functions
-from autotune.zoo import DEFAULT_FAMILY_DIR
+from autotune.data.classes import builtin_classes, edit_example, stdlib_functions
+from autotune.train.zoo import DEFAULT_FAMILY_DIR
 
 
 def test_edit_prompts_end_on_a_token_boundary_of_the_text_the_family_trained_on():

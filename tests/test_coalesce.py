@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from autotune.coalesce import Coalescer
+from autotune.control.coalesce import Coalescer
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["worker-per-busy-spell", "kept-worker"])

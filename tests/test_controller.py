@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import tiny_qwen3_next
 
-from autotune.classifier import RequestClassifier
-from autotune.coalesce import Batch
-from autotune.controller import AutotuneController, PendingRequest
-from autotune.counterfactual import NO_MODEL
-from autotune.rewards import RewardModel
+from autotune.control.classifier import RequestClassifier
+from autotune.control.coalesce import Batch
+from autotune.control.controller import AutotuneController, PendingRequest
+from autotune.rewards.costs import NO_MODEL
+from autotune.rewards.reward import RewardModel
 from engine import MAX_K, OFF, Arm, HybridDrafter, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 from policies import Context, Policy, PolicyError
 from store import Store
@@ -233,16 +233,16 @@ def test_feature_heads_are_replayed_when_asked_from_the_features_a_head_was_serv
     than running the target over the whole sequence."""
     from conftest import feature_head
 
-    import autotune.counterfactual as counterfactual
+    import engine.feature as feature
 
     forwards = []
-    features_of = counterfactual.target_features
+    features_of = feature.target_features
 
     def counted(model, sequence, memo):
         forwards.append("features" not in memo)
         return features_of(model, sequence, memo)
 
-    monkeypatch.setattr(counterfactual, "target_features", counted)
+    monkeypatch.setattr(feature, "target_features", counted)
     head = feature_head(target)
     engine = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": head, "ngram+feature": HybridDrafter(head)})
     arms = [OFF, Arm("ngram", 2), Arm("feature", 2), Arm("ngram+feature", 3)]
@@ -668,7 +668,7 @@ def test_sampling_options_are_taken_by_name_and_an_unknown_one_is_refused(engine
 
 
 def test_the_reward_compares_a_request_with_off_on_the_same_request():
-    from autotune.counterfactual import CostModel
+    from autotune.rewards.costs import CostModel
     from engine import GenerationMetrics
 
     costs = CostModel()
@@ -693,7 +693,7 @@ def test_the_reward_compares_a_request_with_off_on_the_same_request():
 
 
 def test_a_request_that_ran_while_the_machine_was_slow_scores_as_it_would_have_at_full_speed():
-    from autotune.counterfactual import CostModel
+    from autotune.rewards.costs import CostModel
     from engine import GenerationMetrics
 
     costs = CostModel()
@@ -762,7 +762,7 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
     """What an OFF round costs in a continuous batch (its copies as rows join and leave) is
     measured on OFF segments: a speculative segment before any taught nothing, and a learning
     policy plays OFF until one ran at that load or a load next to it."""
-    from autotune.counterfactual import CostModel
+    from autotune.rewards.costs import CostModel
     from engine import GenerationMetrics
 
     ctl = AutotuneController(engine, policy="thompson", arms=[OFF, Arm("small", 2)], min_baseline_steps=0)

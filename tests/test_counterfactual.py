@@ -7,18 +7,15 @@ import json
 import pytest
 from test_engine import none_of_the_last_four, prompts
 
-from autotune.counterfactual import (
-    NO_MODEL,
-    OFF_ROUNDS,
-    VERIFY_SLOPE_PRIOR,
-    CostModel,
+from autotune.rewards.costs import NO_MODEL, OFF_ROUNDS, VERIFY_SLOPE_PRIOR, CostModel
+from autotune.rewards.replay import (
     arm_rewards,
     batch_rounds,
     draft_cost_owner,
     hybrid_estimates,
     hybrid_rounds,
     kept_chain,
-    ngram_chains,
+    lookup_chains,
     replay_arm,
     target_probabilities,
     verify_owners,
@@ -247,7 +244,7 @@ def test_one_slow_moment_during_calibration_moves_no_cost(engine, monkeypatch):
     drafter runs twice, a third time where the two disagree, and a cost is their median."""
     import threading
 
-    from autotune.rewards import calibrate
+    from autotune.rewards.reward import calibrate
 
     real = engine.generate
     calls: list[tuple[Arm, int]] = []
@@ -413,7 +410,7 @@ def test_a_hybrid_is_estimated_from_its_inner_drafters_rounds_and_a_scan_of_the_
     looked_up_somewhere = False
     for prompt in prompts(9, seed=5):
         output = engine.generate(prompt, Arm("self", 3), 24).tokens
-        looked_up, proposed = ngram_chains(lookup, prompt + output, len(prompt) + 1, 6, None)
+        looked_up, proposed = lookup_chains(lookup, prompt + output, len(prompt) + 1, 6, None)
         for k in (2, 3, 6):
             served = engine.generate(prompt, Arm("ngram+self", k), 24).metrics
             rounds = hybrid_rounds([1.0] * 6, proposed, looked_up, k, 24)

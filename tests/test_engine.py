@@ -340,7 +340,7 @@ def test_every_logit_edit_and_end_at_once_act_as_generate_applies_them(target):
 def test_bad_words_are_tokenized_as_written_and_after_a_space():
     from transformers import AutoTokenizer
 
-    from autotune.zoo import DEFAULT_FAMILY_DIR
+    from autotune.train.zoo import DEFAULT_FAMILY_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
     engine = SpeculativeEngine(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
@@ -377,7 +377,7 @@ def test_logprobs_are_the_targets_own_for_every_output_token(target):
 def test_skip_special_tokens_false_keeps_them_in_the_text_and_its_stop_strings():
     from transformers import AutoTokenizer
 
-    from autotune.zoo import DEFAULT_FAMILY_DIR
+    from autotune.train.zoo import DEFAULT_FAMILY_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
     engine = SpeculativeEngine(tiny_llama(0, vocab=len(tokenizer)), tokenizer=tokenizer)
@@ -419,7 +419,7 @@ def test_a_request_stops_at_the_token_that_completes_one_of_its_stop_strings():
     unless `include_stop_str_in_output`, as vLLM's does."""
     from transformers import AutoTokenizer
 
-    from autotune.zoo import DEFAULT_FAMILY_DIR
+    from autotune.train.zoo import DEFAULT_FAMILY_DIR
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
     target = tiny_llama(0, vocab=len(tokenizer))

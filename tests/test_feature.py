@@ -8,8 +8,8 @@ from conftest import feature_head, tiny_llama
 from test_engine import hf_greedy, prompts
 from transformers import AutoTokenizer
 
-from autotune.head_training import head_losses
-from autotune.zoo import DEFAULT_FAMILY_DIR, load_engine, sample_from
+from autotune.train.head_training import head_losses
+from autotune.train.zoo import DEFAULT_FAMILY_DIR, load_engine, sample_from
 from engine import HybridDrafter, IncompatibleDrafterError, SpeculativeEngine
 from engine.feature import FeatureDrafter
 
@@ -58,7 +58,7 @@ def test_greedy_equals_target_generate_and_the_head_gets_each_committed_position
 
 def test_the_committed_head_drafts_what_the_target_decodes():
     """The family's head, trained by `autotune zoo train-head`: most first drafts are kept on code."""
-    from autotune.classes import builtin_classes
+    from autotune.data.classes import builtin_classes
 
     engine = load_engine(drafters=["feature"], ngram=False)
     drafted = accepted = 0
@@ -76,7 +76,7 @@ def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone(prefill_chunk):
     prefill and verifies computed for that row: on the committed family every row's output,
     drafts and kept drafts are those it gets alone, also for rows joining the running batch
     (their prefill at once or a chunk a round)."""
-    from autotune.classes import builtin_classes
+    from autotune.data.classes import builtin_classes
     from engine import BatchRequest
 
     engine = load_engine(drafters=["feature"])  # with n-gram lookup and ngram+feature
@@ -100,8 +100,8 @@ def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone(prefill_chunk):
 def test_a_replay_predicts_the_committed_heads_rounds_exactly():
     """From one OFF request's output, the counterfactual replay (a target forward for the features,
     then every round's head steps at once) gives the rounds each feature arm then served."""
-    from autotune.classes import builtin_classes
-    from autotune.counterfactual import replay_arm
+    from autotune.data.classes import builtin_classes
+    from autotune.rewards.replay import replay_arm
     from engine import Arm
 
     engine = load_engine(drafters=["feature"])  # with n-gram lookup and ngram+feature
@@ -119,8 +119,8 @@ def test_a_replay_from_the_features_a_request_was_served_with_predicts_the_round
     """Replayed from the features the head was handed serving one request (no target forward),
     its prompt's prefix kept so that they begin past its first position, each feature arm's
     replay gives the rounds that arm then served (reusing as much of the prompt)."""
-    from autotune.classes import builtin_classes
-    from autotune.counterfactual import replay_arm, served_features
+    from autotune.data.classes import builtin_classes
+    from autotune.rewards.replay import replay_arm, served_features
     from engine import Arm
 
     engine = load_engine(drafters=["feature"], prefix_cache_tokens=4096)

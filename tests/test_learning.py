@@ -1,5 +1,5 @@
 """What a policy learned survives kill -9, and controllers sharing a store add up their evidence
-(autotune/learning.py), on SQLite and on PostgreSQL."""
+(autotune/control/learning.py), on SQLite and on PostgreSQL."""
 
 import json
 import random
@@ -9,7 +9,7 @@ import threading
 import pytest
 from test_store import run_python
 
-from autotune.learning import SharedLearning, Update, learned_states
+from autotune.control.learning import SharedLearning, Update, learned_states
 from engine import OFF, Arm
 from policies import Context, Outcome, make_policy
 from policies.bandits import LEVELS_KEY
@@ -21,7 +21,7 @@ ARMS = [OFF, Arm("small", 2), Arm("ngram", 3)]
 # observation, sync every 5 updates (as save_every=5 would), as fast as it goes.
 LEARNER = """
 import random, sys, threading
-from autotune.learning import SharedLearning
+from autotune.control.learning import SharedLearning
 from engine import OFF, Arm
 from policies import Context, Outcome, make_policy
 from store import Store

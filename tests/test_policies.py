@@ -98,7 +98,7 @@ def test_a_key_where_speculation_loses_spends_little_finding_out(name):
 
 
 def test_sibling_estimates_count_rounds_that_drafted_short_as_keeping_nothing_further():
-    from autotune.metrics import sibling_rewards
+    from autotune.rewards.siblings import sibling_rewards
     from engine import GenerationMetrics
 
     # A hybrid at K=4, 100 rounds: 50 by its model (kept 40, 30, 20, 10 at positions 1-4) and 50
@@ -403,7 +403,7 @@ def test_static_heuristic_and_unknown_policies():
 
 
 def test_sibling_estimates_follow_the_speculation_model():
-    from autotune.metrics import sibling_rewards
+    from autotune.rewards.siblings import sibling_rewards
     from engine import GenerationMetrics
 
     # 100 rounds at K=4: drafts cost 1 ms each, a verify 10 ms; survival 0.8, 0.6, 0.4, 0.2.

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from autotune.controller import AutotuneController
+from autotune.control.controller import AutotuneController
 from engine import OFF, Arm, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 
 WRONG = [None, True, -1, 0.5, 10**30, float("nan"), float("inf"), 1e-300, "", "x", [], [[]], {}, {1: 2}, [-1],

@@ -14,10 +14,10 @@ import pytest
 from conftest import tiny_llama
 from transformers import AutoTokenizer
 
-from autotune.controller import AutotuneController, ControlledResult
-from autotune.prometheus import RequestClock, ServedMetrics
-from autotune.server import CompletionServer, ServerLimits
-from autotune.zoo import DEFAULT_FAMILY_DIR
+from autotune.control.controller import AutotuneController, ControlledResult
+from autotune.serve.prometheus import RequestClock, ServedMetrics
+from autotune.serve.server import CompletionServer, ServerLimits
+from autotune.train.zoo import DEFAULT_FAMILY_DIR
 from engine import OFF, Arm, GenerationMetrics, InvalidRequestError, NGramDrafter, SamplingParams, SpeculativeEngine
 from store import Store
 
@@ -252,7 +252,7 @@ def test_a_refusal_from_the_engine_names_the_field_it_is_about(served, path, bod
 
 
 def test_the_default_family_answers_chats_through_its_own_template():
-    from autotune.zoo import load_engine
+    from autotune.train.zoo import load_engine
 
     engine = load_engine(drafters=["distilled"])
     controller = AutotuneController(engine, policy="ucb", arms=[OFF, Arm("ngram+distilled", 3)])
@@ -332,7 +332,7 @@ def test_fields_other_clients_send_are_ignored_as_vllm_does(served):
 
 
 def test_a_chat_needs_a_chat_template():
-    from autotune.openai_api import BadRequest, ChatCompletionRequest
+    from autotune.serve.openai_api import BadRequest, ChatCompletionRequest
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
     tokenizer.chat_template = None  # a model without one, as many base models are
@@ -364,7 +364,7 @@ def test_text_deltas_hold_back_a_tail_that_could_begin_a_stop_string(served):
     """One token at a time, a stop string that begins in one token and ends in the next: the
     deltas sent before the end never include its beginning, and with the result's text they
     add up to that text."""
-    from autotune.server import TextDeltas
+    from autotune.serve.server import TextDeltas
 
     engine, _ = served
     tokens = alone(engine, PROMPTS[0], 40).tokens
@@ -379,7 +379,7 @@ def test_text_deltas_hold_back_a_tail_that_could_begin_a_stop_string(served):
 def test_token_events_post_each_rounds_tokens_with_their_logprobs_but_not_the_prompt():
     import torch
 
-    from autotune.server import TokenEvents
+    from autotune.serve.server import TokenEvents
 
     events = []
     streamer = TokenEvents(3, events.append)
@@ -448,7 +448,7 @@ def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what
 
 def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
     from autotune.bench import bench_serve
-    from autotune.classes import RequestClass
+    from autotune.data.classes import RequestClass
 
     engine, _ = served
     classes = {"code": RequestClass("code", "greedy", tuple(PROMPTS), max_new_tokens=12),
@@ -756,7 +756,7 @@ def test_metrics_count_what_was_served_by_class_and_arm_and_as_vllm_names_it(ser
 def test_metrics_histograms_bucket_each_latency_and_gauges_count_requests_in_flight():
     import torch
 
-    from autotune.server import ChoiceClock
+    from autotune.serve.server import ChoiceClock
 
     metrics, waiting, running = ServedMetrics("m"), RequestClock(), RequestClock()
     metrics.begin(waiting)
@@ -1102,7 +1102,7 @@ def test_serving_raises_the_descriptor_limit_its_connection_cap_needs():
     """A soft limit of 1,024 would cap the server at 768 connections; the hard limit stays."""
     import resource
 
-    from autotune.server import MAX_CONNECTIONS, SPARE_DESCRIPTORS, ServerLimits, raise_descriptor_limit
+    from autotune.serve.server import MAX_CONNECTIONS, SPARE_DESCRIPTORS, ServerLimits, raise_descriptor_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

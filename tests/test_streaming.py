@@ -9,8 +9,8 @@ import pytest
 from test_engine import FailingDrafter, hf_greedy, prompts
 from transformers import AsyncTextIteratorStreamer, TextIteratorStreamer
 
-from autotune.coalesce import Batch
-from autotune.controller import AutotuneController, PendingRequest
+from autotune.control.coalesce import Batch
+from autotune.control.controller import AutotuneController, PendingRequest
 from engine import OFF, SamplingParams, SpeculativeEngine
 from store import Store
 
@@ -135,7 +135,7 @@ def test_the_controller_streams_coalesced_requests_and_ends_a_refused_ones_strea
 
 @pytest.fixture(scope="module")
 def family():
-    from autotune.zoo import load_engine
+    from autotune.train.zoo import load_engine
 
     return load_engine(device="cpu")  # the committed model family, with its tokenizer
 

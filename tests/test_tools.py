@@ -15,11 +15,11 @@ import pytest
 from conftest import tiny_llama
 from nbclient import NotebookClient
 
-from autotune.classes import RequestClass, Workload
 from autotune.cli import main
-from autotune.controller import AutotuneController
-from autotune.tune import add_tuned_skip_sets, load_priors, seed_from_studies, tune_class, tune_skip_sets
-from autotune.zoo import DEFAULT_FAMILY_DIR
+from autotune.control.controller import AutotuneController
+from autotune.data.classes import RequestClass, Workload
+from autotune.train.tune import add_tuned_skip_sets, load_priors, seed_from_studies, tune_class, tune_skip_sets
+from autotune.train.zoo import DEFAULT_FAMILY_DIR
 from engine import OFF, Arm, NGramDrafter, SpeculativeEngine
 from policies import Context
 from store import Store

@@ -6,11 +6,11 @@ import shutil
 
 import pytest
 
-import autotune.head_training as head_training
-import autotune.zoo as zoo
-from autotune.corpus import shared_corpora_dir, stdlib_texts
-from autotune.head_training import HeadSpec, train_head
-from autotune.zoo import DEFAULT_FAMILY_DIR, FamilySpec, domain_texts, load_engine, train_drafter
+import autotune.train.head_training as head_training
+import autotune.train.zoo as zoo
+from autotune.data.corpus import shared_corpora_dir, stdlib_texts
+from autotune.train.head_training import HeadSpec, train_head
+from autotune.train.zoo import DEFAULT_FAMILY_DIR, FamilySpec, domain_texts, load_engine, train_drafter
 
 
 def test_a_domain_that_needs_the_shared_corpora_is_refused_by_name_without_them():
@@ -22,7 +22,7 @@ def test_a_domain_that_needs_the_shared_corpora_is_refused_by_name_without_them(
 
 @pytest.mark.skipif(shared_corpora_dir() is None, reason="../shared/corpora absent")
 def test_prose_training_text_holds_none_of_the_prompts_the_prose_classes_draw():
-    from autotune.classes import builtin_classes
+    from autotune.data.classes import builtin_classes
 
     training = "\n".join(domain_texts("prose", FamilySpec(), shared_corpora_dir()))
     classes = builtin_classes(include_shared=True)

@@ -1,4 +1,4 @@
-"""Engines the controller serves requests on: this project's own (autotune.controller) and, here,
+"""Engines the controller serves requests on: this project's own (autotune.control.controller) and, here,
 engines reached over HTTP: llama.cpp's server, and OpenAI-compatible replicas (vLLM, SGLang)."""
 
 from autotune.backends.base import Backend, BackendError, BackendRequest, BackendResponse

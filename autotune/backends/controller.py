@@ -2,7 +2,7 @@
 backend, learn from what the backend says happened.
 
 A backend reached over HTTP cannot replay a request on the arms not played, nor price them with a
-cost model (autotune/controller.py does both for this project's own engine), so a policy learns
+cost model (autotune/control/controller.py does both for this project's own engine), so a policy learns
 here from the requests it serves alone. A request's reward is its decode rate (output tokens
 after the first per second of decoding, prefill left out: speculation does not change it) over
 OFF's at the same load, OFF's being the median of the last OFF requests (one slow or fast moment
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from autotune.backends.base import Backend, BackendError, BackendRequest, BackendResponse, TokenSink
 from autotune.backends.costs import BackendCosts
-from autotune.controller import DEFAULT_CLASS, check_label
-from autotune.learning import SharedLearning
-from autotune.metrics import request_features
-from autotune.saving import BackgroundSaver
+from autotune.control.controller import DEFAULT_CLASS, check_label
+from autotune.control.learning import SharedLearning
+from autotune.control.metrics import request_features
+from autotune.control.saving import BackgroundSaver
 from engine import OFF, Arm, InvalidRequestError, SamplingParams
 from policies import Context, Outcome, Policy, make_policy
 

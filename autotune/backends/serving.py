@@ -1,4 +1,4 @@
-"""`autotune serve --backend ...`: the OpenAI-compatible server (autotune/server.py) in front of a
+"""`autotune serve --backend ...`: the OpenAI-compatible server (autotune/serve/server.py) in front of a
 BackendController, as it is in front of AutotuneController.
 
 The server asks its controller for an `engine` (the tokenizer, request checks) and for
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from autotune.backends.controller import BackendController, BackendResult
-from autotune.controller import ControlledResult
+from autotune.control.controller import ControlledResult
 from engine import Arm, GenerationMetrics, InvalidRequestError, SamplingParams
 
 DEFAULTS = SamplingParams()

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from autotune.bench.common import compile_total, device_name, rotate
 from autotune.bench.controller import hindsight_arms
-from autotune.classes import RequestClass, Workload
+from autotune.data.classes import RequestClass, Workload
 from engine import Arm, SamplingParams, SpeculativeEngine
 
 BENCH_KS = (1, 2, 3, 4, 6, 8)

@@ -27,7 +27,7 @@ from autotune.backends.base import BackendRequest, BackendResponse
 from autotune.backends.controller import BackendController
 from autotune.bench.common import rotate
 from autotune.bench.tenants import tenant_stream
-from autotune.classes import Request, RequestClass
+from autotune.data.classes import Request, RequestClass
 from engine import OFF, Arm, SpeculativeEngine
 
 WARM_FRACTION = 0.2

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 import engine.batch as engine_batch
 import engine.runner as engine_runner
 from autotune.bench.common import device_name, rotate
-from autotune.classes import RequestClass
+from autotune.data.classes import RequestClass
 from engine import Arm, BatchRequest, SamplingParams, SpeculativeEngine
 from engine.kvcache import GrowingCache
 

@@ -8,8 +8,8 @@ import time
 from collections import defaultdict
 
 from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
-from autotune.classes import RequestClass
-from autotune.controller import AutotuneController, default_arms
+from autotune.control.controller import AutotuneController, default_arms
+from autotune.data.classes import RequestClass
 from engine import SpeculativeEngine
 
 

@@ -10,8 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from autotune.bench.common import device_name, p99, rotate
-from autotune.classes import Request, RequestClass, Workload
-from autotune.controller import AutotuneController, default_arms
+from autotune.control.controller import AutotuneController, default_arms
+from autotune.data.classes import Request, RequestClass, Workload
 from engine import OFF, Arm, SpeculativeEngine
 from policies import Context, Policy, make_policy
 from store import Store

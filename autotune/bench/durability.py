@@ -22,17 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-from autotune.learning import SharedLearning
+from autotune.control.learning import SharedLearning
 from store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CONTROLLER = """
 import sys
-from autotune.classes import Workload, builtin_classes
-from autotune.controller import AutotuneController
+from autotune.data.classes import Workload, builtin_classes
+from autotune.control.controller import AutotuneController
 from autotune.demo import DEMO_WEIGHTS
-from autotune.zoo import load_engine
+from autotune.train.zoo import load_engine
 from store import Store
 
 url, requests, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -57,8 +57,8 @@ def _start(url: str, requests: int, seed: int) -> subprocess.Popen:
 
 def _resumed(url: str) -> dict:
     """What a fresh controller resumes: updates in its policy, journal rows, observations."""
-    from autotune.controller import default_arms
-    from autotune.zoo import load_engine
+    from autotune.control.controller import default_arms
+    from autotune.train.zoo import load_engine
     from policies import make_policy
 
     with Store(url) as store:
@@ -126,9 +126,9 @@ with create_engine(sys.argv[1]).connect() as conn:
 
 
 def bench_locked(url: str, seconds: float = 20.0, requests: int = 6) -> dict:
-    from autotune.classes import builtin_classes
-    from autotune.controller import AutotuneController
-    from autotune.zoo import load_engine
+    from autotune.control.controller import AutotuneController
+    from autotune.data.classes import builtin_classes
+    from autotune.train.zoo import load_engine
 
     engine = load_engine()
     prompts = builtin_classes(include_shared=False)["code"].prompts[:requests]

@@ -1,6 +1,6 @@
 """`autotune bench layer-skip`: self-speculation with skip sets tuned per class, side by side.
 
-Per class, a skip-set study (autotune/tune.py `tune_skip_sets`, SWIFT's search) runs on the
+Per class, a skip-set study (autotune/train/tune.py `tune_skip_sets`, SWIFT's search) runs on the
 class's first prompts; then, on the class's next prompts, taking turns: OFF, the class's tuned
 arm, every other class's tuned arm (the best of them over all classes is the best single skip
 set), early exit after layer N as this engine runs it (the last layers skipped, drafting into the
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from autotune.bench.common import device_name, rotate
-from autotune.classes import RequestClass
-from autotune.tune import priors_from_study, skippable_layers, tune_skip_sets
+from autotune.data.classes import RequestClass
+from autotune.train.tune import priors_from_study, skippable_layers, tune_skip_sets
 from engine import OFF, Arm, LayerSkipDrafter, SamplingParams, SpeculativeEngine
 from engine.layer_skip import decoder_layers, skip_name
 

@@ -8,7 +8,7 @@ import copy
 import torch
 
 from autotune.bench.common import device_name, hf_generate
-from autotune.classes import RequestClass
+from autotune.data.classes import RequestClass
 from engine import OFF, Arm, SpeculativeEngine
 
 

@@ -21,8 +21,8 @@ from unittest import mock
 
 import engine.batch as engine_batch
 from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
-from autotune.classes import RequestClass
-from autotune.controller import AutotuneController
+from autotune.control.controller import AutotuneController
+from autotune.data.classes import RequestClass
 from engine import Arm, BatchRequest, SamplingParams, SpeculativeEngine
 from engine.drafters import model_drafter_of
 

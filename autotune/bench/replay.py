@@ -7,8 +7,9 @@ import statistics
 from collections import defaultdict
 
 from autotune.bench.common import device_name, rotate
-from autotune.classes import RequestClass
-from autotune.counterfactual import CostModel, arm_rewards, verify_owners
+from autotune.data.classes import RequestClass
+from autotune.rewards.costs import CostModel
+from autotune.rewards.replay import arm_rewards, verify_owners
 from engine import Arm, SamplingParams, SpeculativeEngine
 
 

@@ -25,11 +25,11 @@ from collections import defaultdict
 
 from autotune.bench.common import device_name, rotate
 from autotune.bench.tenants import arm_kind
-from autotune.classes import RequestClass
-from autotune.controller import DEFAULT_KS
-from autotune.counterfactual import draft_cost_owner
-from autotune.metrics import sibling_rewards
-from autotune.rewards import PROBE_ROUNDS, RewardModel, calibrate
+from autotune.control.controller import DEFAULT_KS
+from autotune.data.classes import RequestClass
+from autotune.rewards.replay import draft_cost_owner
+from autotune.rewards.reward import PROBE_ROUNDS, RewardModel, calibrate
+from autotune.rewards.siblings import sibling_rewards
 from engine import Arm, SamplingParams, SpeculativeEngine
 
 DEFAULT_ARMS = ("ngram:4", "distilled:4", "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")

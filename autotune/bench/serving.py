@@ -19,9 +19,9 @@ import scipy.stats
 
 from autotune.bench.common import client_plan, device_name, p99, rotate, run_clients
 from autotune.bench.concurrency import FirstOutput
-from autotune.classes import RequestClass
-from autotune.controller import AutotuneController, default_arms
-from autotune.server import CompletionServer
+from autotune.control.controller import AutotuneController, default_arms
+from autotune.data.classes import RequestClass
+from autotune.serve.server import CompletionServer
 from engine import SpeculativeEngine
 
 

@@ -21,8 +21,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotune.bench.common import device_name, p99, rotate
-from autotune.classes import Request, RequestClass
-from autotune.controller import AutotuneController, default_arms
+from autotune.control.controller import AutotuneController, default_arms
+from autotune.data.classes import Request, RequestClass
 from engine import SpeculativeEngine
 from engine.arms import OFF, Arm
 from engine.drafters import capabilities, lookup_of, model_drafter_of

@@ -6,7 +6,7 @@ takes a snapshot (under the lock, in memory) and hands it over; one thread write
 written merge (a key's newest state wins), so a slow database is written the latest state, not
 a backlog. A save the database refuses is logged and merged back under anything newer, and
 written with the next one; `flush` writes what is pending now and raises if it cannot. After
-each save the thread runs `sync` (the policy's journal: autotune/learning.py).
+each save the thread runs `sync` (the policy's journal: autotune/control/learning.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from autotune.corpus import DOMAINS, shared_training_texts, stdlib_texts
+from autotune.data.corpus import DOMAINS, shared_training_texts, stdlib_texts
 from engine.identity import weights_hash
 from engine.runner import cache_argument
 
@@ -101,7 +101,7 @@ def copy_texts(n: int, seed: int) -> list[str]:
     learns to copy, and the workloads where n-gram lookup should shine would not exist."""
     import random
 
-    from autotune.classes import edit_example, stdlib_functions
+    from autotune.data.classes import edit_example, stdlib_functions
 
     examples = [edit_example(source, node) for _, source, node in stdlib_functions(held_out=False)]
     examples = [a + b + "\n" for a, b in (e for e in examples if e is not None)]

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from autotune.controller import ControlledResult
+from autotune.control.controller import ControlledResult
 from engine.sampling import SEED_RANGE
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import time
 import optuna
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
-from autotune.classes import RequestClass
+from autotune.data.classes import RequestClass
 from engine import OFF, Arm, HeuristicK, LayerSkipDrafter, SamplingParams, SpeculativeEngine
 from engine.layer_skip import decoder_layers, parse_skip_name, reference_layers, skip_name
 

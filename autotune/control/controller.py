@@ -31,22 +31,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from autotune.classifier import RequestClassifier
-from autotune.coalesce import Batch, Coalescer
-from autotune.continuous import ContinuousBatch
-from autotune.counterfactual import (
-    CostModel,
-    arm_rewards,
-    draft_cost_owner,
-    hybrid_estimates,
-    served_features,
-    verify_owners,
-)
-from autotune.learning import SharedLearning
-from autotune.metrics import GpuMonitor, request_features, sibling_rewards
-from autotune.rewards import RewardModel, cost_key, is_sampled
-from autotune.rewards import calibrate as calibrate_costs
-from autotune.saving import BackgroundSaver
+from autotune.control.classifier import RequestClassifier
+from autotune.control.coalesce import Batch, Coalescer
+from autotune.control.continuous import ContinuousBatch
+from autotune.control.learning import SharedLearning
+from autotune.control.metrics import GpuMonitor, request_features
+from autotune.control.saving import BackgroundSaver
+from autotune.rewards.costs import CostModel
+from autotune.rewards.replay import arm_rewards, draft_cost_owner, hybrid_estimates, served_features, verify_owners
+from autotune.rewards.reward import RewardModel, cost_key, is_sampled
+from autotune.rewards.reward import calibrate as calibrate_costs
+from autotune.rewards.siblings import sibling_rewards
 from engine import (
     MAX_K,
     OFF,
@@ -740,7 +735,7 @@ class AutotuneController:
     # ----- persistence ---------------------------------------------------------------------
     def _save_periodically(self) -> None:
         """Every `save_every` updates (the policy lock held), hand what was learned to the saver,
-        which writes it off the request path (autotune/saving.py): a database that is locked or
+        which writes it off the request path (autotune/control/saving.py): a database that is locked or
         gone delays no request, and what it could not take is written with the next save."""
         if self._saver is not None and self._updates % self.save_every == 0:
             self._saver.submit(self._snapshot())

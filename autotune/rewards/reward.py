@@ -23,7 +23,8 @@ import logging
 import random
 import threading
 
-from autotune.counterfactual import CostModel, hybrid_parts, verify_owners
+from autotune.rewards.costs import CostModel
+from autotune.rewards.replay import hybrid_parts, verify_owners
 from engine import MAX_K, OFF, Arm, GenerationMetrics, SamplingParams, SpeculativeEngine
 from engine.drafters import model_drafter_of
 from policies import LOAD_BUCKETS, Context, load_bucket

@@ -15,7 +15,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from autotune.controller import ControlledResult
+from autotune.control.controller import ControlledResult
 
 OTHER_CLASSES = "__other__"  # the label of request classes past a server's `max_classes`
 # vLLM's bucket bounds (seconds) for its histograms of the same names

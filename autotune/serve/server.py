@@ -57,10 +57,10 @@ try:
 except ImportError:  # on Windows, where uvloop is not a dependency and uvicorn runs asyncio's loop
     UVLoop = ()
 
-from autotune.coalesce import Coalescer
-from autotune.controller import AutotuneController, ControlledResult
-from autotune.inspect_store import policy_table
-from autotune.openai_api import (
+from autotune.control.coalesce import Coalescer
+from autotune.control.controller import AutotuneController, ControlledResult
+from autotune.control.inspect_store import policy_table
+from autotune.serve.openai_api import (
     ApiRequest,
     BadRequest,
     ChatCompletionRequest,
@@ -75,7 +75,7 @@ from autotune.openai_api import (
     response_choice,
     usage,
 )
-from autotune.prometheus import RequestClock, ServedMetrics
+from autotune.serve.prometheus import RequestClock, ServedMetrics
 from engine import OFF, InvalidRequestError, SamplingParams
 from store import StoreError
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autotune.corpus import is_held_out, read_json, read_jsonl, shared_corpora_dir, stdlib_files
+from autotune.data.corpus import is_held_out, read_json, read_jsonl, shared_corpora_dir, stdlib_files
 
 PROMPTS_PER_CLASS = 64
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from autotune.zoo import domain_texts, encode_stream, family_dir, lr_at, random_windows, recipe_of, sample_from
+from autotune.train.zoo import domain_texts, encode_stream, family_dir, lr_at, random_windows, recipe_of, sample_from
 from engine.feature import FeatureHead, HeadConfig
 from engine.identity import weights_hash
 
@@ -44,7 +44,7 @@ class HeadSpec:
     ffn: int = 512
     feature_weight: float = 0.2  # smooth-L1 on features, against the cross-entropy
     generated: int = 192  # target-written windows, half sampled, half greedy
-    domain: str = "code"  # the text it trains on (autotune.zoo.DOMAINS)
+    domain: str = "code"  # the text it trains on (autotune.train.zoo.DOMAINS)
     seed: int = 0
 
 

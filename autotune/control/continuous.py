@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autotune.coalesce import Batch
+from autotune.control.coalesce import Batch
 from engine import BatchRequest, BatchSession, GenerationMetrics, InvalidRequestError
 from policies import Context
 
 if TYPE_CHECKING:
-    from autotune.controller import AutotuneController, PendingRequest
+    from autotune.control.controller import AutotuneController, PendingRequest
 
 
 @dataclass

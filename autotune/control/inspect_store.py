@@ -7,8 +7,8 @@ import time
 from collections import defaultdict
 
 from autotune.backends.controller import COSTS_POLICY as BACKEND_COSTS_POLICY
-from autotune.controller import INTERNAL_POLICIES
-from autotune.learning import learned_states
+from autotune.control.controller import INTERNAL_POLICIES
+from autotune.control.learning import learned_states
 
 
 def best_arm(state: dict) -> tuple[str, float, float, float] | None:
