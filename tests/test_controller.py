@@ -464,7 +464,7 @@ def test_requests_arriving_during_a_batch_join_it_and_return_when_done(engine, t
         joined = max(finished[i] for i in (3, 4, 5)) < min(finished[i] for i in (0, 1, 2))
         assert joined == continuous
         assert store.count() == 6
-        assert ctl._updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
+        assert ctl.learner.updates == (200 // 32 + 1 if continuous else 2)  # a batch's 200 rounds: 7 segments
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 8])  # 8 tokens: a chunk of up to 4 joiners is wider than a decode
@@ -776,7 +776,7 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
                              verify_by_width={3: [0.55, 50]}, total_s=1.25)
     ctl.rewards.costs.setdefault("5+", CostModel()).observe(OFF, off)  # an OFF step is known at this load, from a batch
     ctl.learn_segment(Arm("small", 2), code, spec, 1000, 500, fell_back=False)
-    assert rewards == [] and ctl._updates == 0
+    assert rewards == [] and ctl.learner.updates == 0
     assert ctl.decide(Context("code", 10, {}), segments=True)[1] == OFF
     ctl.learn_segment(OFF, code, off, 1000, 1000, fell_back=False)
     ctl.learn_segment(Arm("small", 2), code, spec, 1000, 500, fell_back=False)
@@ -787,7 +787,7 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
 def test_a_drafters_first_requests_then_one_in_a_few_measure_off_among_their_rounds(engine, monkeypatch):
     """Each such request prices its drafter's verifies in OFF steps measured beside them, and is
     rewarded for the arm's own rounds: its OFF rounds neither count against the arm nor for it."""
-    from autotune import rewards
+    from autotune.rewards import reward as rewards
 
     default = AutotuneController(engine, policy=ReplayRecorder([OFF, Arm("small", 2)]))
     assert default.generate(PROMPTS[0], "code", max_new_tokens=16).metrics.probe_rounds == 0  # off by default

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from autotune.backends.base import Backend, BackendError, BackendRequest, BackendResponse, TokenSink
 from autotune.backends.costs import BackendCosts
 from autotune.control.controller import DEFAULT_CLASS, check_label
-from autotune.control.learning import SharedLearning
+from autotune.control.learner import Learner
 from autotune.control.metrics import request_features
-from autotune.control.saving import BackgroundSaver
 from engine import OFF, Arm, InvalidRequestError, SamplingParams
 from policies import Context, Outcome, Policy, make_policy
 
@@ -74,8 +73,6 @@ class BackendController:
     def __init__(self, backend: Backend, store=None, policy: str | Policy = "ucb", arms: list[Arm] | None = None,
                  tokenizer=None, classifier=None, save_every: int = 25, cooldown_s: float = 30.0,
                  **policy_kwargs) -> None:
-        if not isinstance(save_every, int) or save_every < 1:
-            raise ValueError(f"save_every must be an int >= 1, got {save_every!r}")
         self.backend = backend
         self.store = store
         served = set(backend.arms())
@@ -85,7 +82,6 @@ class BackendController:
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, arms, **policy_kwargs)
         self.tokenizer = tokenizer
         self.classifier = classifier
-        self.save_every = save_every
         self.cooldown_s = cooldown_s
         self.costs = BackendCosts()
         self._ks: dict[str, list[int]] = {}  # drafter whose K is a request field -> its Ks among the arms
@@ -95,14 +91,10 @@ class BackendController:
         self.lock = threading.Lock()
         self._in_flight = 0
         self._down: dict[str, float] = {}  # drafter -> passed over until this time.monotonic()
-        self._updates = 0
-        self.learning = SharedLearning(store, self.policy) if store is not None and self.policy.learns else None
+        self.learner = Learner(self.policy, store, save_every, self.lock, self._snapshot)
         if store is not None:
-            if self.learning is not None:
-                self.learning.resume()
+            self.learner.resume()
             self.costs.load_state_dict(store.load_policy_states(COSTS_POLICY))
-        self._saver = BackgroundSaver(store, lambda: self.learning and self.learning.sync(self.lock)) \
-            if store is not None else None
 
     def generate(self, prompt: str | list[int], request_class: str | None = None, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -136,8 +128,7 @@ class BackendController:
             self.tokenizer.decode(response.tokens, skip_special_tokens=True)
         result = BackendResult(text, response.tokens, request_class, served, response, reward, load,
                                classified, error is not None, error, decision_s, features)
-        if self.store is not None:
-            self._record(result, temperature)
+        self._record(result, temperature)
         return result
 
     def _ids(self, prompt: str | list[int]) -> list[int]:
@@ -200,13 +191,7 @@ class BackendController:
             reward = rate / off_rate if arm.is_off else bounded_speedup(rate, off_rate, response)
             siblings = {} if arm.is_off or arm.drafter not in self._ks else \
                 self.costs.siblings(arm.drafter, arm.k, self._ks[arm.drafter], context.load, reward, response)
-            outcome = Outcome(rate, reward, response.acceptance, response.new_tokens, siblings)
-            self.policy.update(context, arm, outcome)
-            if self.learning is not None:
-                self.learning.add(context, arm, outcome)
-            self._updates += 1
-            if self._saver is not None and self._updates % self.save_every == 0:
-                self._saver.submit(self._snapshot())
+            self.learner.update(context, arm, Outcome(rate, reward, response.acceptance, response.new_tokens, siblings))
         return reward
 
     def _snapshot(self) -> dict:
@@ -214,8 +199,8 @@ class BackendController:
 
     def _record(self, result: BackendResult, temperature: float) -> None:
         r = result.response
-        self.store.record(
-            request_class=result.request_class, arm=str(result.arm), policy=self.policy.name,
+        self.learner.record(
+            request_class=result.request_class, arm=str(result.arm),
             prompt_tokens=r.prompt_tokens, new_tokens=r.new_tokens, drafted=r.drafted or 0,
             accepted=r.accepted or 0, acceptance=r.acceptance, prefill_s=r.prefill_s, total_s=r.total_s,
             queue_s=result.decision_s, goodput=r.decode_rate or 0.0, reward=result.reward, load=result.load,
@@ -224,13 +209,7 @@ class BackendController:
 
     def save(self) -> None:
         """Write what was learned now; raises the store's error if it cannot."""
-        if self._saver is not None:
-            with self.lock:
-                self._saver.submit(self._snapshot())
-            try:
-                self.store.flush()
-            finally:
-                self._saver.flush()
+        self.learner.save()
 
     def close(self) -> None:
         self.save()

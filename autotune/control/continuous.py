@@ -10,15 +10,51 @@ request past its delivery.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from autotune.control.coalesce import Batch
-from engine import BatchRequest, BatchSession, GenerationMetrics, InvalidRequestError
+from engine import Arm, BatchRequest, BatchSession, GenerationMetrics, GenerationResult, InvalidRequestError
 from policies import Context
 
 if TYPE_CHECKING:
-    from autotune.control.controller import AutotuneController, PendingRequest
+    from autotune.control.controller import ControlledResult, PendingRequest
+
+
+class BatchController(Protocol):
+    """What a continuous batch asks of the controller that serves it."""
+
+    max_batch: int  # rows at most
+    decide_every: int  # rounds between decisions
+
+    def serving(self) -> AbstractContextManager:
+        """The engine held for this batch alone, the GPU measured (`so_far()`) while it is."""
+        ...
+
+    def open_batch(self, arm: Arm) -> BatchSession: ...
+
+    def key(self, classes: list[str]) -> str:
+        """The policy's key for requests of these classes served together."""
+        ...
+
+    def decide(self, context: Context, segments: bool = False,
+               fits: Callable[[Arm], bool] | None = None) -> tuple[Context, Arm]: ...
+
+    def fits(self, arm: Arm, request: PendingRequest) -> bool:
+        """Whether `request` can join a batch on `arm`."""
+        ...
+
+    def row_result(self, request: PendingRequest, result: GenerationResult, context: Context, decision_s: float,
+                   gpu: tuple[float | None, float | None], began: float) -> ControlledResult:
+        """What the caller of a request the batch finished gets (and the store records)."""
+        ...
+
+    def learn_segment(self, arm: Arm, context: Context, done: GenerationMetrics, committed: int, row_rounds: int,
+                      fell_back: bool) -> None:
+        """Learn how a stretch of the batch's rounds on `arm` went."""
+        ...
 
 
 @dataclass
@@ -52,7 +88,7 @@ class ContinuousBatch:
     requests that arrived (its rest, and when the engine began on it); the arm is decided for
     all of them, and they join at once."""
 
-    def __init__(self, controller: AutotuneController, batch: Batch,
+    def __init__(self, controller: BatchController, batch: Batch,
                  resumed: tuple[BatchRequest, float] | None = None) -> None:
         self.ctl, self.batch, self.resumed = controller, batch, resumed
         self.rows: dict[int, _Row] = {}  # session index -> its request, until delivered
@@ -61,16 +97,16 @@ class ContinuousBatch:
     def serve(self) -> list:
         """Serve every item, delivering each outcome as it comes; [] (nothing left to return)."""
         ctl = self.ctl
-        with ctl.engine_lock, ctl.gpu.measure() as self.gpu:
+        with ctl.serving() as self.gpu:
             first = list(self.batch.pending().values())
             started = time.perf_counter()
-            coming = self.batch.waiting()[:ctl.coalescer.max_batch - 1] if self.resumed is not None else []
+            coming = self.batch.waiting()[:ctl.max_batch - 1] if self.resumed is not None else []
             context = Context(ctl.key([r.request_class for r in first + coming]), len(first) + len(coming),
                               first[0].features)
             # the paused request goes on in this batch whatever the arm: one that cannot take it is not played
             fits = (lambda arm: ctl.fits(arm, first[0])) if self.resumed is not None else None
             context, arm = ctl.decide(context, segments=True, fits=fits)
-            self.session = ctl.engine.open_batch(arm, ctl.prefill_chunk, keep_results=False)
+            self.session = ctl.open_batch(arm)
             try:
                 self._take(0, first, *self.resumed or ())
             except InvalidRequestError:  # refused before any decoding: the controller serves each alone
@@ -115,7 +151,7 @@ class ContinuousBatch:
     def _admit(self) -> None:
         """Requests waiting for the batch's group join it while there is room."""
         session = self.session
-        room = self.ctl.coalescer.max_batch - session.live_rows - session.prefilling
+        room = self.ctl.max_batch - session.live_rows - session.prefilling
         if room > 0 and (joining := self.batch.join(room, lambda request: self.ctl.fits(session.arm, request))):
             start = self.batch.size - len(joining)
             try:
@@ -128,11 +164,8 @@ class ContinuousBatch:
         ctl = self.ctl
         for i, result in self.session.finished():
             row = self.rows.pop(i)
-            with ctl.policy_lock:
-                reward = ctl.rewards.row_reward(result.arm, result.metrics, segment.context)
-            served = ctl.result(row.request, result, result.metrics.tokens_per_s, reward, segment.decision_s, 0.0,
-                                segment.context.load, self.gpu.so_far(), row.began)
-            self.batch.deliver(row.ticket, served)
+            self.batch.deliver(row.ticket, ctl.row_result(row.request, result, segment.context, segment.decision_s,
+                                                          self.gpu.so_far(), row.began))
         for i, exc in self.session.failed():  # the batch goes on without it
             self.batch.deliver(self.rows.pop(i).ticket, exc)
 

@@ -20,11 +20,11 @@ resumes without re-exploring, and controllers sharing a store add up what they l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from autotune.control.classifier import RequestClassifier
 from autotune.control.coalesce import Batch, Coalescer
 from autotune.control.continuous import ContinuousBatch
-from autotune.control.learning import SharedLearning
+from autotune.control.learner import Learner
 from autotune.control.metrics import GpuMonitor, request_features
-from autotune.control.saving import BackgroundSaver
+from autotune.control.settings import ControllerSettings
 from autotune.rewards.costs import CostModel
 from autotune.rewards.replay import arm_rewards, draft_cost_owner, hybrid_estimates, served_features, verify_owners
 from autotune.rewards.reward import RewardModel, cost_key, is_sampled
@@ -46,6 +46,7 @@ from engine import (
     MAX_K,
     OFF,
     Arm,
+    BatchSession,
     GenerationMetrics,
     GenerationResult,
     InvalidRequestError,
@@ -170,73 +171,16 @@ def check_label(request_class: str | None) -> None:
         raise InvalidRequestError(f"request_class {request_class!r} holds a NUL character, which databases refuse")
 
 
-def _check_settings(max_batch: int, decide_every: int, save_every: int, min_baseline_steps: int,
-                    remeasure_off_every: int,
-                    counterfactual_requests: int, batch_wait_ms: float, counterfactual_budget: float,
-                    counterfactual_weight: float, prefill_chunk: int | None) -> None:
-    """Refuse a controller setting out of its range by name: several would otherwise be taken
-    silently (a negative wait) or fail only later, on another thread (save_every=0 at the
-    first save, a fractional max_batch in the coalescer's thread, leaving its callers waiting)."""
-    def whole(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    for name, value, low in [("max_batch", max_batch, 1), ("decide_every", decide_every, 1),
-                             ("save_every", save_every, 1), ("min_baseline_steps", min_baseline_steps, 0),
-                             ("remeasure_off_every", remeasure_off_every, 1),
-                             ("counterfactual_requests", counterfactual_requests, 0)]:
-        if not whole(value) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if prefill_chunk is not None and (not whole(prefill_chunk) or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be a positive number of tokens or None, not {prefill_chunk!r}")
-    for name, value, ok, what in [("batch_wait_ms", batch_wait_ms, lambda v: 0 <= v < math.inf, ">= 0 (finite)"),
-                                  ("counterfactual_budget", counterfactual_budget, lambda v: v >= 0, ">= 0"),
-                                  ("counterfactual_weight", counterfactual_weight, lambda v: 0 <= v <= 1, "in [0, 1]")]:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-            raise ValueError(f"{name} must be a number {what}, got {value!r}")
-
-
 class AutotuneController:
     """Serves requests through an engine on the arm a policy picks per (request class, load), and
     teaches the policy from each.
 
-    Settings (each refused by name when out of range):
-    - `policy`, `arms`, `**policy_kwargs`: the policy by name (policies.POLICIES) over these arms
-      (default: OFF and every drafter at every K in DEFAULT_KS), or a `Policy`.
-    - `store`: where observations and what was learned are kept (store.Store); learning is saved
-      every `save_every` updates and on close, and loaded on start.
-    - `classifier`: names the class of a request given none (else DEFAULT_CLASS).
-    - `min_baseline_steps`, `remeasure_off_every`: see rewards.RewardModel.
-    - `counterfactual_requests`, `counterfactual_budget`, `counterfactual_weight`: a key's first
-      requests score every other arm by replay; after that replays run only while they stay
-      within `counterfactual_budget` of the key's serving time (a 16-row burst: 150 ms greedy,
-      570 ms sampled, against 0.6-1.0 s to serve it OFF on the demo family). The policy weighs
-      a replayed estimate at `counterfactual_weight` of a measured reward: as much, by default
-      (greedy replays keep exactly the drafts serving would; their prices err by 3-4 %). At
-      half, a class whose first request lost could not afford the arm its replays found best and
-      sat at OFF (the many-classes bench's structured markup, 0.85x OFF). `replay_features`:
-      replay feature heads and their hybrids too (exact when greedy): from the target's features
-      a head was handed serving the request, else by running the target over the whole
-      sequence (57-64 ms on a 678-token request). A head's K steps from every position take
-      12-23 ms on 64-token requests (a model drafter's replay 3-5 ms). With one head that costs
-      more than it teaches (the many-classes bench ran 1-3 % slower with it: the head's other Ks
-      are estimated from the request played); with heads for different domains it is how a class
-      finds its head, which one request on the wrong text otherwise prices for every class.
-      None (the default): on when the engine has more than one feature head.
-    - `max_batch` > 1: single requests waiting at the same moment are served as one batch (at
-      most `batch_wait_ms` of waiting for the rest), of any classes (keyed MIXED_CLASS when they
-      differ) unless `mix_classes=False`.
-    - `continuous`: requests arriving while a batch decodes join it between rounds, and the
-      policy decides again every `decide_every` rounds (continuous.py); False: static batches,
-      each decided once and decoded to its last row.
-    - `prefill_chunk`: tokens of joiners' prefill per round (chunked prefill, vLLM's budget of
-      2048; None: in one go). On the demo family 512 took the rows' p99 gap under 900-token joins
-      from 109-134 to 72-88 ms but spread bursts of short prompts (0.93-0.99x the tokens/s).
-    - `pause_alone`: a request served alone pauses when another arrives and finishes in a
-      continuous batch with it; by default not on a compiled engine, whose one-request steps are
-      several times faster than its eager batches on a GPU.
-    - `calibrate`: measure OFF and every drafter before the first request (rewards.calibrate), so
-      that no request has to be served OFF to price the others; again on a store whose costs
-      were not measured side by side with OFF's.
+    `policy`, `arms`: the policy by name (policies.POLICIES) over these arms (default: OFF and
+    every drafter at every K in DEFAULT_KS), or a `Policy`. `store`: where observations and what
+    was learned are kept (store.Store), loaded on start. `classifier`: names the class of a
+    request given none (else DEFAULT_CLASS). `settings`: how it serves and learns
+    (`ControllerSettings`). Keywords that name a setting override `settings`
+    (`AutotuneController(engine, max_batch=16)`); the others go to the policy.
     """
 
     def __init__(
@@ -246,28 +190,12 @@ class AutotuneController:
         policy: str | Policy = "ucb",
         arms: list[Arm] | None = None,
         classifier: RequestClassifier | None = None,
-        save_every: int = 25,
-        min_baseline_steps: int = 16,
-        remeasure_off_every: int = 64,
-        counterfactual_requests: int = 1,
-        counterfactual_budget: float = 0.01,
-        counterfactual_weight: float = 1.0,
-        replay_features: bool | None = None,
-        max_batch: int = 1,
-        batch_wait_ms: float = 2.0,
-        mix_classes: bool = True,
-        continuous: bool = True,
-        decide_every: int = 32,
-        pause_alone: bool | None = None,
-        prefill_chunk: int | None = 2048,
-        calibrate: bool = True,
-        **policy_kwargs,
+        settings: ControllerSettings | None = None,
+        **options,
     ) -> None:
-        _check_settings(max_batch=max_batch, decide_every=decide_every, save_every=save_every,
-                        min_baseline_steps=min_baseline_steps, remeasure_off_every=remeasure_off_every,
-                        counterfactual_requests=counterfactual_requests,
-                        batch_wait_ms=batch_wait_ms, counterfactual_budget=counterfactual_budget,
-                        counterfactual_weight=counterfactual_weight, prefill_chunk=prefill_chunk)
+        overrides, policy_kwargs = ControllerSettings.split(options)
+        settings = dataclasses.replace(settings or ControllerSettings(), **overrides)
+        self.settings = settings
         self.engine = engine
         self.store = store
         arms = arms if arms is not None else default_arms(engine)
@@ -284,49 +212,38 @@ class AutotuneController:
                                   else drafter for drafter in self._ks}
         self.compile_report = engine.warm_up(self._reachable_arms())  # compiled engines: every graph, up front
         self.classifier = classifier
-        self.save_every = save_every
-        self.rewards = RewardModel(min_baseline_steps=min_baseline_steps, remeasure_off_every=remeasure_off_every,
+        self.rewards = RewardModel(min_baseline_steps=settings.min_baseline_steps,
+                                   remeasure_off_every=settings.remeasure_off_every,
                                    verify_owners=verify_owners(engine))
-        self.counterfactual_requests = counterfactual_requests
-        self.counterfactual_budget = counterfactual_budget
-        self.counterfactual_weight = counterfactual_weight
-        self.replay_features = len(feature_heads(engine)) > 1 if replay_features is None else replay_features
+        self.replay_features = len(feature_heads(engine)) > 1 if settings.replay_features is None \
+            else settings.replay_features
         self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
         self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning, last replay s
         self.gpu = GpuMonitor()
         self.policy_lock = threading.Lock()
         self.engine_lock = threading.Lock()
-        self._updates = 0
         self._dirty: set[str] = set()
-        # Learning policies journal every update (learning.py): it survives kill -9, and replicas on
-        # one store add up what they learn.
-        self.learning = SharedLearning(store, self.policy) if store is not None and self.policy.learns else None
-        sync = functools.partial(self.learning.sync, self.policy_lock) if self.learning else lambda: None
-        self._saver = BackgroundSaver(store, sync) if store is not None else None
-        self.coalescer = Coalescer(self._serve_coalesced, max_batch, batch_wait_ms / 1e3) if max_batch > 1 else None
-        self.mix_classes = mix_classes
-        self.continuous = continuous
-        self.decide_every = decide_every
-        self.prefill_chunk = prefill_chunk
-        if pause_alone is None:
-            pause_alone = engine.cache_kind != "compiled"
-        self._pausable = pause_alone and self.coalescer is not None and continuous
+        self.learner = Learner(self.policy, store, settings.save_every, self.policy_lock, self._snapshot)
+        self.coalescer = Coalescer(self._serve_coalesced, settings.max_batch, settings.batch_wait_ms / 1e3) \
+            if settings.max_batch > 1 else None
+        self.max_batch, self.decide_every = settings.max_batch, settings.decide_every
+        pause_alone = engine.cache_kind != "compiled" if settings.pause_alone is None else settings.pause_alone
+        self._pausable = pause_alone and self.coalescer is not None and settings.continuous
         try:
             engine.check_batch_request(1, OFF, 1)
         except InvalidRequestError:  # e.g. linear-attention layers: requests are served one at a time
             self._pausable = False
         # The requests worth having in flight at once: a batch being served and the next one
         # gathering. agenerate's threads, and a server's per client request, are bounded by it.
-        self.in_flight = max(4, 2 * max_batch)
+        self.in_flight = max(4, 2 * settings.max_batch)
         self._threads: ThreadPoolExecutor | None = None  # agenerate's, made on first use
         if store is not None:
             for record in engine.model_records:
                 store.register_model(**record)
-            if self.learning is not None:
-                self.learning.resume()
+            self.learner.resume()
             self._served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.rewards.load_state_dict(store.load_policy_states(COSTS_POLICY))
-        if calibrate and self.policy.learns:
+        if settings.calibrate and self.policy.learns:
             for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0)):
                 key = cost_key("1", not sampling.greedy)
                 stored = self.rewards.costs.get(key)
@@ -389,7 +306,7 @@ class AutotuneController:
             # a bad request fails here, in its own caller, not in a batch it would have broken up
             self.engine.check_request(len(ids), OFF, max_new_tokens, sampling)
             request = self._pending([ids], request_class, max_new_tokens, [sampling], [ends], arrived)[0]
-            return self.coalescer.submit(None if self.mix_classes else request.request_class, request)
+            return self.coalescer.submit(None if self.settings.mix_classes else request.request_class, request)
         finally:
             end_stream(ends)  # a request that failed before streaming still ends its stream
 
@@ -474,7 +391,7 @@ class AutotuneController:
         (its client would see its output twice): it gets the batch's error."""
         requests = list(batch.pending().values())
         try:
-            if self.continuous and len(requests) > 1:
+            if self.settings.continuous and len(requests) > 1:
                 return ContinuousBatch(self, batch).serve()
             return self._serve(requests, batch if self._pausable else None)
         except Exception as exc:
@@ -553,6 +470,22 @@ class AutotuneController:
             self._record(out, request)
         return out
 
+    # ----- what a continuous batch asks of it (continuous.BatchController) ------------------
+    @contextlib.contextmanager
+    def serving(self):
+        with self.engine_lock, self.gpu.measure() as gpu:
+            yield gpu
+
+    def open_batch(self, arm: Arm) -> BatchSession:
+        return self.engine.open_batch(arm, self.settings.prefill_chunk, keep_results=False)
+
+    def row_result(self, request: PendingRequest, result: GenerationResult, context: Context, decision_s: float,
+                   gpu: tuple[float | None, float | None], began: float) -> ControlledResult:
+        with self.policy_lock:
+            reward = self.rewards.row_reward(result.arm, result.metrics, context)
+        return self.result(request, result, result.metrics.tokens_per_s, reward, decision_s, 0.0, context.load, gpu,
+                           began)
+
     # ----- deciding ------------------------------------------------------------------------
     def decide(self, context: Context, segments: bool = False,
                fits: Callable[[Arm], bool] | None = None) -> tuple[Context, Arm]:
@@ -625,11 +558,11 @@ class AutotuneController:
             # context (long prompts) and the machine's moment, and priced at the median step
             # every replay of a long prompt fell 12-17 % short of the speedup measured beside it.
             off_step = costs.off_step_during(served, arm.drafter) or costs.off_step()
-            learning = before < self.counterfactual_requests
+            learning = before < self.settings.counterfactual_requests
             share = self._replay_share.setdefault(key, [0.0, 0.0, 0.0])
             if not learning:
                 share[0] += served.total_s
-            replay = learning or share[1] + share[2] <= self.counterfactual_budget * share[0]
+            replay = learning or share[1] + share[2] <= self.settings.counterfactual_budget * share[0]
             if replay:  # other threads' requests go on adding to the costs while this one replays
                 costs = copy.deepcopy(costs)
                 worth = self._worth_replaying(context, learning)
@@ -647,7 +580,7 @@ class AutotuneController:
                 if not learning:
                     share[1] += share[2]
             estimates.pop(str(arm), None)  # the arm played has its measured reward
-            replayed = {a: (r, self.counterfactual_weight) for a, r in estimates.items()}
+            replayed = {a: (r, self.settings.counterfactual_weight) for a, r in estimates.items()}
         else:
             replayed = {}
         # The played drafter's other Ks from its acceptance per position: all a drafter the replay
@@ -709,18 +642,14 @@ class AutotuneController:
                                                done.acceptance, done.new_tokens, siblings))
 
     def _update(self, context: Context, arm: Arm, outcome: Outcome) -> None:
-        """Teach the policy, journal the update, and save now and then (the policy lock held)."""
-        self.policy.update(context, arm, outcome)
-        if self.learning is not None:
-            self.learning.add(context, arm, outcome)
+        """Teach the policy through the learner (the policy lock held)."""
         self._dirty.add(context.key)
-        self._updates += 1
-        self._save_periodically()
+        self.learner.update(context, arm, outcome)
 
     def _record(self, result: ControlledResult, request: PendingRequest) -> None:
         m = result.metrics
-        self.store.record(
-            request_class=result.request_class, arm=str(result.arm), policy=self.policy.name,
+        self.learner.record(
+            request_class=result.request_class, arm=str(result.arm),
             prompt_tokens=m.prompt_tokens, new_tokens=m.new_tokens, rounds=m.rounds, probe_rounds=m.probe_rounds,
             probe_s=m.probe_s, drafted=m.drafted,
             accepted=m.accepted, acceptance=m.acceptance, acceptance_per_position=m.acceptance_per_position,
@@ -733,13 +662,6 @@ class AutotuneController:
         )
 
     # ----- persistence ---------------------------------------------------------------------
-    def _save_periodically(self) -> None:
-        """Every `save_every` updates (the policy lock held), hand what was learned to the saver,
-        which writes it off the request path (autotune/control/saving.py): a database that is locked or
-        gone delays no request, and what it could not take is written with the next save."""
-        if self._saver is not None and self._updates % self.save_every == 0:
-            self._saver.submit(self._snapshot())
-
     def _snapshot(self) -> dict:
         """The requests served per key and the cost model since the last snapshot, copied (the
         policy lock held); the policy's own state is saved by its journal's checkpoints."""
@@ -753,13 +675,7 @@ class AutotuneController:
     def save(self) -> None:
         """Write what was learned now, a checkpoint of the policy through every update journaled;
         raises the store's error if it cannot (kept for the next save)."""
-        if self._saver is not None:
-            with self.policy_lock:
-                self._saver.submit(self._snapshot())
-            try:
-                self.store.flush()  # the journal written, so that the checkpoint reaches every update
-            finally:
-                self._saver.flush()
+        self.learner.save()
 
     def close(self) -> None:
         """Let requests in flight from `agenerate` finish, and the batch being served learn from
