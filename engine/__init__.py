@@ -8,7 +8,7 @@ from engine.feature import FeatureDrafter, FeatureHead
 from engine.layer_skip import LayerSkipDrafter
 from engine.results import BatchRequest, BatchResult, GenerationMetrics, GenerationResult
 from engine.sampling import SamplingParams
-from engine.schedule import ConstantK, HeuristicK, KSchedule
+from engine.schedule import ConstantK, HeuristicK, KSchedule, RoundControl
 from engine.streaming import Streamer
 
 __all__ = [
@@ -16,5 +16,5 @@ __all__ = [
     "HybridDrafter", "ModelDrafter", "NGramDrafter", "FeatureDrafter", "FeatureHead", "LayerSkipDrafter",
     "GenerationMetrics", "GenerationResult", "SpeculativeEngine", "EngineError",
     "IncompatibleDrafterError", "InvalidRequestError", "SamplingParams", "ConstantK",
-    "HeuristicK", "KSchedule", "Streamer",
+    "HeuristicK", "KSchedule", "RoundControl", "Streamer",
 ]

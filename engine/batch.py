@@ -185,23 +185,21 @@ def check_batchable(model: PreTrainedModel) -> None:
 
 
 def _layer_spans(model: PreTrainedModel) -> dict[str, int | None]:
-    """{layer kind: its window or chunk} of a model, worked out once (0.23 ms, and a batch
-    makes a cache for every join)."""
+    """{layer kind: its window or chunk} of a model, worked out once (a batch makes a cache for
+    every join)."""
     if model not in _SPANS:
         kinds, per_layer = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
         _SPANS[model] = {kind: kwargs.get("sliding_window") for kind, kwargs in zip(kinds, per_layer)}
     return _SPANS[model]
 
 
-# A batch cache drops its holes once its slots exceed COMPACT_RATIO x its longest row + COMPACT_SLACK:
-# a throwaway probe of a busy batch (bench longrun's) ran 1.06-1.11x the tokens/s at 1.25 as at
-# 2, and 1.1 within 2 % of 1.25 (compacting more often copies more).
+# A batch cache drops its holes once its slots exceed COMPACT_RATIO x its longest row + COMPACT_SLACK
+# (compacting more often copies more, less often attends over more holes).
 COMPACT_RATIO = 1.25
 COMPACT_SLACK = 64
 PROMPT_LOGITS_BUDGET = 1 << 26  # logits (rows x positions x vocabulary) a prefill that scores prompts holds at once
-# What one more prefill forward costs beyond its tokens, in tokens of prefill: a forward's fixed
-# cost (8 layers x ~1.2 ms of the family's target on the CPU) is about what 128-256 tokens of it
-# cost; a prefill pays for padding rows to its longest one, so rows of very different lengths
+# What one more prefill forward costs beyond its tokens, in tokens of prefill (a forward's fixed
+# cost); a prefill pays for padding rows to its longest one, so rows of very different lengths
 # are fed in separate forwards when that saves more padding than this.
 FORWARD_COST_TOKENS = 256
 
@@ -228,8 +226,7 @@ def prefilled(model: PreTrainedModel, seqs: list[list[int]], scores: list[int | 
     head's input; None for a `cached` row).
 
     Rows with the same tokens and scoring (a request's n choices) are fed once and their cache
-    rows copied: prefill costs about its tokens on a busy device (a 512-token prompt took 41 ms
-    on the family's target alone, 325 ms as 8 rows, on the CPU); `share=False` feeds every row
+    rows copied: prefill costs about its tokens on a busy device; `share=False` feeds every row
     (the baseline of `autotune bench choices`). Rows are fed in groups of similar length
     (`length_groups`), so short prompts are not padded to a long one's length. A row with a
     `cached` entry (a paused request's keys and values, ModelRunner.cached) is not fed at all, and

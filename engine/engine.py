@@ -34,7 +34,7 @@ from engine.results import BatchRequest, BatchResult, GenerationMetrics, Generat
 from engine.round import Drafts, Row, decode_round, stream
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, probabilities, prompt_logprobs, sample
-from engine.schedule import ConstantK, KSchedule
+from engine.schedule import NO_CONTROL, ConstantK, KSchedule, RoundControl
 from engine.stopping import Stopping, finish_reason
 from engine.streaming import Streamer, check_streamer, end_stream
 
@@ -52,11 +52,6 @@ def _load(path_or_model, device, dtype) -> PreTrainedModel:
             if shown:
                 hf_logging.enable_progress_bar()
     return path_or_model.to(device=device, dtype=dtype).eval()
-
-
-def check_probes(probe_off) -> None:
-    if isinstance(probe_off, bool) or not isinstance(probe_off, int) or probe_off < 0:
-        raise InvalidRequestError(f"probe_off must be an int >= 0, got {probe_off!r}")
 
 
 class _Alone:
@@ -227,9 +222,9 @@ class SpeculativeEngine:
 
         A round of K verifies up to K+1 tokens (fewer near max_new_tokens); a model drafter feeds
         1 or 2 tokens per step, and drafts a greedy round of up to K as one graph, as a feature
-        head does. On CUDA it also runs the sampling ops once: their kernels
-        load lazily, and the first sampled request paid ~0.3 s for it on an H100 (OFF at 288
-        tokens/s against ~750 after). Returns the compile report; eager engines have none.
+        head does. On CUDA it also runs the sampling ops once: their kernels load lazily, and the
+        first sampled request would pay for them. Returns the compile report; eager engines have
+        none.
         """
         if self.device.type == "cuda":
             sampling = SamplingParams(1.0, 0.9, seed=0)
@@ -312,8 +307,8 @@ class SpeculativeEngine:
     def check_prompt_text(self, text: str) -> None:
         """Refuse, before tokenizing it, a text far too long for the target's context: more than
         PROMPT_CHARS_SLACK x the context x the longest token's characters (the slack is for
-        normalizers that merge characters). Tokenizing first, a 30 MB prompt took 46 s and 5.6 GB
-        before its length was refused."""
+        normalizers that merge characters), since tokenizing a huge text first costs far more than
+        refusing it."""
         if self.max_length is None or self.tokenizer is None:
             return
         limit = PROMPT_CHARS_SLACK * self.max_length * self.longest_token_chars
@@ -392,25 +387,14 @@ class SpeculativeEngine:
         sampling: SamplingParams | None = None,
         schedule: KSchedule | None = None,
         streamer: Streamer | None = None,
-        pause: Callable[[], bool] | None = None,
-        probe_off: int = 0,
+        control: RoundControl = NO_CONTROL,
     ) -> GenerationResult:
         """Decode one request on `arm`; the output is the target's own, whatever the arm.
 
         `streamer` (transformers' `TextStreamer`, `TextIteratorStreamer`, ...) gets the output as
-        each round commits it (engine/streaming.py). `pause`, asked before every round, stops
-        decoding when it returns True, so that a server can move the request into a batch with
-        requests that arrived meanwhile (nothing can join the one-request path): the result then
-        holds the output so far and `rest`, which `BatchSession.add` finishes as a batch row
-        (re-prefilling prompt and output, as vLLM's recompute preemption does); its streamer is
-        not ended.
-
-        `probe_off`: on a drafter, serve this many rounds OFF (K = 0), spread over the output, and
-        time them into `metrics.probe_s`: OFF's step measured among the request's own rounds (the
-        machine's step moves by a quarter within tenths of a second, so one taken on other
-        requests, or in a run before this one, prices the request's rounds by another moment).
+        each round commits it (engine/streaming.py). `control`: what a scheduler asks of the
+        rounds (`RoundControl`: pause for a batch, OFF rounds among them).
         """
-        check_probes(probe_off)
         arm = Arm.of(arm)
         sampling = self.bad_words_as_ids(sampling or SamplingParams())
         schedule = schedule or ConstantK()
@@ -419,7 +403,7 @@ class SpeculativeEngine:
         if streamer is not None:
             check_streamer(streamer)
         try:
-            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, pause, probe_off)
+            result = self._decode(ids, arm, drafter, max_new_tokens, sampling, schedule, streamer, control)
         except BaseException:
             end_stream(streamer)  # the decoding error is the one to raise
             raise
@@ -430,7 +414,8 @@ class SpeculativeEngine:
 
     def _decode(self, ids: torch.Tensor, arm: Arm, drafter: Drafter | None, max_new_tokens: int,
                 sampling: SamplingParams, schedule: KSchedule, streamer: Streamer | None,
-                pause: Callable[[], bool] | None, probe_off: int) -> GenerationResult:
+                control: RoundControl) -> GenerationResult:
+        pause, probe_off = control.pause, control.probe_off
         m = GenerationMetrics.of_request(ids.numel())
         row = Row(ids.tolist(), ids.numel(), max_new_tokens, sampling, self._generator(sampling),
                   self.stopping(sampling, ids.numel()), m, streamer)
@@ -501,7 +486,7 @@ class SpeculativeEngine:
         admit: Callable[[int], list[BatchRequest]] | None = None,
         on_done: Callable[[int, GenerationResult], None] | None = None,
         prefill_chunk: int | None = None,
-        probe_off: int = 0,
+        control: RoundControl = NO_CONTROL,
     ) -> BatchResult:
         """Decode several requests together, in one forward pass per round, on one arm.
 
@@ -516,8 +501,9 @@ class SpeculativeEngine:
         checked as its own prompts are. `on_done(i, result)` gets each request's result as soon
         as the request is done; i counts the prompts, then the joiners in order, as the returned
         results do. `prefill_chunk`: see `BatchSession`; a joiner whose prefill fails raises here.
-        `probe_off`: as `generate`'s, rounds of every live row, run as the rows' mean output
-        passes even fractions of the largest `max_new_tokens` (`BatchSession.step`'s `off`).
+        `control.probe_off`: as `generate`'s, rounds of every live row, run as the rows' mean
+        output passes even fractions of the largest `max_new_tokens` (`BatchSession.step`'s
+        `off`); a batch is not paused.
         """
         if isinstance(prompts, (str, bytes)):
             raise InvalidRequestError(f"prompts must be a list of prompts, got a single {type(prompts).__name__}:"
@@ -530,7 +516,7 @@ class SpeculativeEngine:
         streamers = streamers if streamers is not None else [None] * count
         if len(limits) != count or len(params) != count or len(streamers) != count:
             raise InvalidRequestError("max_new_tokens, sampling and streamers lists must have one entry per prompt")
-        check_probes(probe_off)
+        probe_off = control.probe_off
         # where the rows' mean output has grown to these lengths, a round runs OFF
         probe_at = [(i + 1) * max(limits) // (probe_off + 1) for i in range(probe_off)]
         for streamer in streamers:
@@ -606,9 +592,8 @@ class BatchSession:
 
     `keep_results=False` (a server's session, which may never drain): a request is forgotten
     once `finished` or `failed` has handed it over, its counts kept in the batch's totals, so
-    the session holds only the requests still in it (one that kept them all grew by every
-    request it ever served: 3.5 KB each for short outputs on the tiny test models, more with
-    text and logprobs); `close` then returns only the batch's metrics.
+    the session holds only the requests still in it (one that kept them all would grow with
+    every request it ever served); `close` then returns only the batch's metrics.
     """
 
     def __init__(self, engine: SpeculativeEngine, arm: Arm, prefill_chunk: int | None = None,

@@ -420,8 +420,8 @@ class FeatureDrafter:
         """The eager drafts of several rows (a batch's, each with a drafter of one head's: `for_row`;
         `propose` drafts one request as a row of one), with a head step for all rows together: first each
         row's real pairs handed over since its last round, then one draft step a row for the rows
-        still drafting. One call per step rather than one per row and step: rows of a batch of 8
-        drafting one after another spent 17 ms a round of K = 4 drafting, more than the verify."""
+        still drafting. One call per step rather than one per row and step, whose calls would
+        cost more than the verify."""
         if not drafters:
             return []
         first = drafters[0]

@@ -1,8 +1,7 @@
 """The eager paths' KV cache: transformers' DynamicCache, grown into preallocated buffers.
 
 DynamicCache appends a step's keys and values with `torch.cat`, which copies the whole cache
-every step: per step O(length), per request O(length^2). On the 2-core CPU that copy was 43 %
-of a batch-of-64 verify step (cProfile: 1.42 s of torch.cat in a 5.0 s OFF batch). Here each
+every step: per step O(length), per request O(length^2). Here each
 layer writes into a buffer whose capacity doubles when full, and hands attention a view of
 the filled part, so a step copies only its own tokens. Cropping (rejected drafts) moves the
 length back; the next step overwrites the rejected entries. StaticCache avoids the copy too,
@@ -97,8 +96,8 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep these rows, in this order (finished requests leave a batch; a row repeated is
         a prompt prefilled once for the requests that share it), in place: only rows whose place
-        changes are copied, and only their filled part. A new buffer for every drop cost 4 ms a
-        layer in a batch of 64 (0.43 s of a 4.8 s batch); BatchRun fills each hole with a row
+        changes are copied, and only their filled part, since a new buffer for every drop costs a
+        copy of every layer; BatchRun fills each hole with a row
         from the end, so a request leaving copies one row."""
         if not self.is_initialized or self._keys is None:
             return
@@ -181,7 +180,7 @@ def rollback_static_cache(config, max_cache_len: int) -> StaticCache:
     """A StaticCache whose sliding-window layers are StaticWindowLayer."""
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
     if not any(type(layer) is StaticSlidingWindowLayer for layer in cache.layers):
-        return cache  # full attention only: nothing to replace (the lookup below costs 0.23 ms a request)
+        return cache  # full attention only: nothing to replace, and the lookup below is skipped
     _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     cache.layers = [StaticWindowLayer(max_cache_len, kwargs["sliding_window"])
                     if type(layer) is StaticSlidingWindowLayer else layer

@@ -97,8 +97,8 @@ AttentionMaskInterface.register(STEP_ATTENTION, sdpa_mask)
 
 
 # Inductor settings for compiled CPU steps (see the module docstring). A 1-token step is a
-# chain of matrix-vector products, which oneDNN/MKL run far below memory bandwidth on this CPU
-# (57 demo-target linears: 2.8 ms against a 0.7 ms read floor): inductor writes them as fused
+# chain of matrix-vector products, which oneDNN/MKL run far below memory bandwidth on the CPU:
+# inductor writes them as fused
 # multiply-sums instead. A verify step of K+1 tokens is a thin GEMM, for which inductor's own
 # C++ GEMM template (chosen by benchmarking it against ATen at compile time) costs about what one
 # token costs. Freezing makes the weights constants of the graph, which both need.

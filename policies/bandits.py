@@ -100,18 +100,14 @@ def fit_levels(tables: list[ArmTable], iterations: int = 8,
     reward on every arm as its level times the arm's effect (additive in logs), fitted to the
     keys' evidence by alternating weighted means (each cell weighted by its count).
 
-    A class's level is how far speculation goes on its text (docs 2.5x OFF, structured markup
-    1.3x), and raw means shared between classes carry it: the many-classes bench's ucb played
-    the feature head first in docs (2.1x) and its hybrid first in structured markup (1.3x,
-    where the hybrid beat the head 1.36 to 1.06), and every class then took the hybrid for
-    the slower arm. Classes share arms the replays estimate in all of them, which tie their
-    levels together. OFF is left out: its reward is 1 at every level. `offsets`: per table, a
-    part of each arm's mean (in logs) to take out before fitting (`BanditPolicy._carried`).
+    A class's level is how far speculation goes on its text, and raw means shared between classes
+    carry it: an arm first played in an easy class looks better than one first played in a hard
+    class, whatever the arms are worth. Classes share arms the replays estimate in all of them,
+    which tie their levels together. OFF is left out: its reward is 1 at every level. `offsets`: per
+    table, a part of each arm's mean (in logs) to take out before fitting (`BanditPolicy._carried`).
 
     Each effect is shrunk toward none by the number of keys behind it, keys / (keys + 1): an
-    arm measured in one key carries that key's affinity for its drafter. The prose model
-    drafter's replays in structured markup's bursts alone put it 0.15 above the mean arm at
-    load 16, and the code and creative classes' bursts then played it at 0.68-0.70x OFF."""
+    arm measured in one key carries that key's affinity for its drafter."""
     cells = []
     for i, table in enumerate(tables):
         offset = offsets[i] if offsets is not None else {}
@@ -154,8 +150,8 @@ class LoadTotals:
     A decision needs the other keys' evidence at its load: it subtracts its own key from these.
     They are kept up to date as keys change (an update takes its key's sums out and puts the
     new ones in, O(arms)), and summed afresh once as many updates as there are keys have gone
-    by, so rounding cannot pile up. Summed afresh at every update, they cost O(keys x arms) on
-    every request's path: 5.1 ms an update with 1,500 classes of 13 arms.
+    by, so rounding cannot pile up. Summed afresh at every update, they would cost O(keys x arms)
+    on every request's path.
     """
 
     def __init__(self, tables: list[ArmTable], arms: list[str]) -> None:
@@ -356,9 +352,8 @@ class BanditPolicy(Policy):
         A class's first bursts of 16 otherwise played what the other classes' bursts favoured
         (the code head's hybrid for math, whose drafts the prose head makes; speculation for
         chat, whose bursts run fastest OFF). The load's effect is fitted over every key at the
-        load, not taken from each class's change between the loads: one class's single request
-        alone against its burst of 16 other prompts made that change 1.5-1.7x, where batches of
-        16 run 0.55-1.0x each arm's speedup alone."""
+        load, not taken from each class's change between the loads, which one request alone
+        against a burst of other prompts misstates."""
         request_class, _, here = context.key.partition("@")
         there = max((f"load{bucket}" for bucket in LOAD_BUCKETS if f"load{bucket}" != here),
                     key=lambda load: self._evidence(self.tables.get(f"{request_class}@{load}")))
@@ -379,9 +374,8 @@ class BanditPolicy(Policy):
         """How far the class's rewards at `load` ran from the mean key's there on each arm, in logs:
         its level over the keys' mean level, plus its affinity for the arm's drafter ({}: no
         evidence there). Shrunk toward the mean key by `prior_weight` requests, since a request's
-        replays all read one prompt: structured markup's first request alone, a hard prompt, put
-        its class 0.3 below the mean, so its first burst, near the mean, looked like a hard
-        class's doing well under load, and every class after it was carried 1.4x too high."""
+        replays all read one prompt, and one hard prompt would carry every class after it too
+        high."""
         table = self.tables.get(f"{request_class}@{load}")
         if table is None:
             return {}
@@ -421,9 +415,8 @@ class BanditPolicy(Policy):
     def worth_replaying(self, context: Context) -> list[Arm]:
         """OFF, and every arm that could still be the key's best: no evidence yet, or an upper
         bound (`replay_z` standard errors, wider than the guard's) at least the best mean. A
-        replay costs a teacher-forced forward per drafter model, about 7 % of a request each on
-        the demo family, paid for arms every class has found slower (the small and medium
-        drafters) too, until they were left out."""
+        replay costs a teacher-forced forward per drafter model, not worth paying for arms every
+        class has found slower."""
         view = self._with_shared_prior(context, self.table(context))
         sd = math.sqrt(view.pooled_variance())
         known = [a for a in self.arm_names if view.n(a) > 1e-9]
@@ -476,9 +469,8 @@ class BanditPolicy(Policy):
     def _next(self, view: ArmTable) -> str:
         """The arm to play where the guard does not decide: an arm nothing has estimated yet
         (`_first_try`; not OFF, whose reward is 1 by definition); on a key's first request the
-        arm the other keys' evidence favours, without exploring (with UCB's bonus each new class of
-        the many-classes stream played whichever arm the others knew least, a K only siblings
-        had estimated, at 0.57-0.82x the best arm); else the policy's `_pick`."""
+        arm the other keys' evidence favours, without exploring (a bonus there plays whichever
+        arm the others know least); else the policy's `_pick`."""
         untried = [a for a in self.arm_names if view.n(a) < 1e-9 and a != str(OFF)]
         if untried:
             return self._first_try(untried)
@@ -490,8 +482,7 @@ class BanditPolicy(Policy):
         """The next untried arm: the first untried drafter at its middle untried K. Its request
         estimates the drafter's other Ks (`sibling_rewards`): exactly below its K, by
         extrapolating its acceptance above. Tried at K=1 first, a hybrid's lookups, which pay by
-        drafting long runs, showed nothing of it: one K=1 request priced ngram+feature:4 at 1.37x
-        OFF where it measured 2.34x, and the many-classes bench's ucb never played it again."""
+        drafting long runs, would show nothing of it."""
         drafter = self.by_name[untried[0]].drafter
         same = sorted((a for a in untried if self.by_name[a].drafter == drafter), key=lambda a: self.by_name[a].k)
         return same[len(same) // 2]

@@ -82,9 +82,8 @@ class ContextualPolicy(ThompsonPolicy):
 
         Each arm's features, centered on the arm's own weighted means, fill a block of columns of
         their own (a sparse design), so the penalized least squares separate by arm: each block's
-        solution is the line a separate fit per arm gives, intercept unpenalized. One fit costs
-        ~4 ms; a fit per arm cost 1-2 ms each, a ~70 ms stall under the policy lock at 31 arms
-        (`autotune bench decisions`).
+        solution is the line a separate fit per arm gives, intercept unpenalized; one fit for all
+        arms holds the policy lock far shorter than a fit per arm.
         Features are standardized for the fit, so the penalty weighs them alike.
         """
         self._since_refit = 0

@@ -11,6 +11,7 @@ from engine import (
     HybridDrafter,
     InvalidRequestError,
     NGramDrafter,
+    RoundControl,
     SamplingParams,
     SpeculativeEngine,
 )
@@ -251,7 +252,7 @@ class Recorder:
 
 @pytest.mark.parametrize("arm", ["off", "small:3", "ngram:4", "hybrid:3", "feature:3"])
 def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, cache_layout, monkeypatch):
-    """`generate(pause=...)` stops a request between rounds; its `rest`, added to a batch beside
+    """`generate(control=RoundControl(pause=...))` stops a request between rounds; its `rest`, added to a batch beside
     another request, finishes it: the output (greedy, and sampled draw for draw from its seed:
     its random stream goes on), the stream (the prompt once, every token once, ended once) and
     the counts over both parts and its logprobs and prompt logprobs are the request's own; the
@@ -276,7 +277,7 @@ def test_a_paused_request_finishes_in_a_batch_as_it_would_alone(engine, arm, cac
             asked[0] += 1
             return asked[0] > 3
 
-        head = engine.generate(prompt, arm, 24, sampling, streamer=streamer, pause=pause)
+        head = engine.generate(prompt, arm, 24, sampling, streamer=streamer, control=RoundControl(pause=pause))
         assert head.rest is not None and 3 <= len(head.tokens) < 24 and streamer.ends == 0
         assert head.finish_reason is None  # not finished: paused
         assert head.tokens == alone.tokens[:len(head.tokens)]

@@ -13,6 +13,7 @@ from engine import (
     InvalidRequestError,
     ModelDrafter,
     NGramDrafter,
+    RoundControl,
     SamplingParams,
     SpeculativeEngine,
 )
@@ -507,7 +508,7 @@ def test_off_rounds_among_a_requests_own_keep_it_lossless_and_are_told_apart(eng
     for i, prompt in enumerate(prompts(4, seed=5)):
         reference = hf_greedy(target, prompt, 24)
         for name in engine.drafters:
-            result = engine.generate(prompt, Arm(name, 4), max_new_tokens=24, probe_off=3)
+            result = engine.generate(prompt, Arm(name, 4), max_new_tokens=24, control=RoundControl(probe_off=3))
             assert result.tokens == reference, (i, name)
             m, own = result.metrics, result.metrics.without_probes()
             assert m.probe_rounds == 3 and 0 < m.probe_s < m.verify_s
@@ -517,7 +518,7 @@ def test_off_rounds_among_a_requests_own_keep_it_lossless_and_are_told_apart(eng
             assert sum(n for _, n in own.verify_by_width.values()) == own.rounds
             if name == "self":  # every round of its own drafted K tokens and kept them
                 assert own.verify_by_width.get(1) is None and own.mean_accepted_length == 5.0
-    assert engine.generate(prompts(1)[0], "off", 24, probe_off=3).metrics.probe_rounds == 0
+    assert engine.generate(prompts(1)[0], "off", 24, control=RoundControl(probe_off=3)).metrics.probe_rounds == 0
 
 
 def test_metrics_add_up(engine):
@@ -578,7 +579,8 @@ def test_metrics_add_up(engine):
         (lambda e: e.generate([1, 2], "off", 2, SamplingParams(min_tokens=3)),
          r"min_tokens \(3\) exceeds max_new_tokens \(2\)"),
         (lambda e: e.generate([1, 2], "off", streamer=5), r"a streamer needs put\(\) and end\(\) methods"),
-        (lambda e: e.generate([1, 2], "small:2", probe_off=-1), "probe_off must be an int >= 0, got -1"),
+        (lambda e: e.generate([1, 2], "small:2", control=RoundControl(probe_off=-1)),
+         "probe_off must be an int >= 0, got -1"),
         (lambda e: e.generate_batch("abc", "off"), "prompts must be a list of prompts, got a single str"),
         # arguments of the wrong type are named, not met by a TypeError from deep inside
         (lambda e: e.generate([[1, 2]], "off"), r"a prompt is text, or token ids \(ints\) in a list or a tensor"),

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from autotune.train.head_training import head_losses
 from autotune.train.zoo import DEFAULT_FAMILY_DIR, load_engine, sample_from
-from engine import HybridDrafter, IncompatibleDrafterError, SpeculativeEngine
+from engine import HybridDrafter, IncompatibleDrafterError, RoundControl, SpeculativeEngine
 from engine.feature import FeatureDrafter
 
 
@@ -39,7 +39,7 @@ def test_greedy_equals_target_generate_and_the_head_gets_each_committed_position
         for arm, probes in (("feature:1", 0), ("feature:3", 0), ("ngram+feature:4", 0), ("feature:8", 0),
                             ("feature:3", 2), ("ngram+feature:4", 3)):
             handed.clear()
-            result = engine.generate(prompt, arm, max_new_tokens=max_new, probe_off=probes)
+            result = engine.generate(prompt, arm, max_new_tokens=max_new, control=RoundControl(probe_off=probes))
             assert result.tokens == reference, (i, arm)
             assert not result.fell_back, result.fallback_error
             assert result.metrics.probe_rounds == probes

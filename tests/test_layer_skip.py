@@ -8,7 +8,14 @@ from test_engine import hf_greedy, prompts
 from test_sampling import ALPHA, PROMPT, VOCAB, exact_joint_of_tokens_2_and_3, p_value
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engine import HybridDrafter, IncompatibleDrafterError, LayerSkipDrafter, SamplingParams, SpeculativeEngine
+from engine import (
+    HybridDrafter,
+    IncompatibleDrafterError,
+    LayerSkipDrafter,
+    RoundControl,
+    SamplingParams,
+    SpeculativeEngine,
+)
 from engine.layer_skip import parse_skip_name, skip_name
 
 
@@ -34,7 +41,7 @@ def test_greedy_equals_target_generate_for_every_skip_set_and_k(deep_target, cac
         for arm, probes in (("skip-1:1", 0), ("skip-1:3", 0), ("skip-2.3:8", 0), ("skip-1.2.3:2", 0),
                             ("ngram+skip:4", 0), ("off", 0), ("skip-1:3", 3), ("ngram+skip:4", 2)):
             # OFF rounds among the drafter's (`probe_off`) leave its cache behind the target's
-            result = engine.generate(prompt, arm, max_new_tokens=max_new, probe_off=probes)
+            result = engine.generate(prompt, arm, max_new_tokens=max_new, control=RoundControl(probe_off=probes))
             assert result.tokens == reference, (i, arm, probes)
             assert not result.fell_back, result.fallback_error
             accepted += result.metrics.accepted

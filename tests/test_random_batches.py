@@ -20,6 +20,7 @@ from engine import (
     HybridDrafter,
     InvalidRequestError,
     NGramDrafter,
+    RoundControl,
     SamplingParams,
     SpeculativeEngine,
 )
@@ -133,7 +134,8 @@ def test_random_sampled_batches_and_pauses_draw_what_each_request_draws_alone(ta
     if rng.random() < 0.5:  # a lone request that pauses for a newcomer and finishes in a batch with it
         first, newcomer = request(), request()
         rounds = iter(range(rng.randint(1, 8), -1, -1))
-        result = eng.generate(first.prompt, arm, first.max_new_tokens, first.sampling, pause=lambda: next(rounds) == 0)
+        result = eng.generate(first.prompt, arm, first.max_new_tokens, first.sampling,
+                              control=RoundControl(pause=lambda: next(rounds) == 0))
         served, results = [first], [result]
         if result.rest is not None:
             session = eng.open_batch(arm, prefill_chunk=rng.choice([None, 16]))

@@ -2,8 +2,8 @@
 
 Every ratio is measured side by side in one run: the compared methods take turns on the same
 prompts, in rotating order, so a slow moment of a shared machine hits them all alike. Nothing
-here asserts speed; the numbers go to a table and to JSON (docs/measurements.md holds every
-run with its command).
+here asserts speed; the numbers go to a table and to JSON (docs/benchmarks.md holds the
+current figures with their commands).
 """
 
 from autotune.bench.arms import BENCH_KS, bench_arms

@@ -30,7 +30,7 @@ from autotune.data.classes import RequestClass
 from autotune.rewards.replay import draft_cost_owner
 from autotune.rewards.reward import PROBE_ROUNDS, RewardModel, calibrate
 from autotune.rewards.siblings import sibling_rewards
-from engine import Arm, SamplingParams, SpeculativeEngine
+from engine import Arm, RoundControl, SamplingParams, SpeculativeEngine
 
 DEFAULT_ARMS = ("ngram:4", "distilled:4", "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")
 LONG_PROMPT = 256  # tokens from which a prompt counts as long in the per-kind rows (qa and summarize's, mostly)
@@ -52,8 +52,9 @@ def bench_reward_scale(engine: SpeculativeEngine, classes: dict[str, RequestClas
             for arm in rotate(arms, i):
                 runs = {}
                 for how in ("off", "arm", "probed") if i % 2 == 0 else ("probed", "arm", "off"):
+                    probes = RoundControl(probe_off=PROBE_ROUNDS if how == "probed" else 0)
                     runs[how] = engine.generate(ids, "off" if how == "off" else arm, cls.max_new_tokens, sampling,
-                                                probe_off=PROBE_ROUNDS if how == "probed" else 0).metrics
+                                                control=probes).metrics
                 learned[not sampling.greedy].observe(arm, runs["probed"])
                 served.append((arm, not sampling.greedy, runs, (name, i), len(ids) >= LONG_PROMPT))
         progress(f"{name}: {prompts_per_class} prompts x {len(arms)} arms")

@@ -15,8 +15,7 @@ as that request is done (`Batch.deliver`), so neither a newcomer nor a short req
 the longest request of the batch.
 
 When requests were arriving together a moment before, the worker first waits up to `wait_s`
-for the rest of them (with 16 clients of 4 classes grouped by class, the default 2 ms gathered
-a class's four clients, `autotune bench concurrency`); a caller alone never waits.
+for the rest of them; a caller alone never waits.
 """
 
 from __future__ import annotations

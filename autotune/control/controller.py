@@ -50,6 +50,7 @@ from engine import (
     GenerationMetrics,
     GenerationResult,
     InvalidRequestError,
+    RoundControl,
     SamplingParams,
     SpeculativeEngine,
     Streamer,
@@ -70,9 +71,8 @@ DEFAULT_CLASS = "default"
 # The key of a coalesced batch whose requests are of several classes: one arm serves the whole
 # batch, so what it learns is the best arm for such a mix at that load, not for any one class.
 MIXED_CLASS = "(mixed)"
-# Rows of a batch a replay runs (`arm_rewards`' replay_rows): replaying all 16 rows of a burst
-# took as long as serving it (0.31-0.48 s against 0.36-0.53 s on the committed family); the
-# few rows live longest on the arm played are the ones that make a batch last.
+# Rows of a batch a replay runs (`arm_rewards`' replay_rows): replaying every row costs about
+# what serving the batch did, and the rows live longest on the arm played make a batch last.
 BATCH_REPLAY_ROWS = 4
 MAX_CLASS_CHARS = 120  # a label, and "@load5+" after it, fit the store's 128-character key
 
@@ -81,8 +81,8 @@ def default_arms(engine: SpeculativeEngine, ks: tuple[int, ...] = DEFAULT_KS) ->
     """OFF and every drafter at every K in ks, those drafting from the target's features first:
     a policy that tries its arms in order then plays one on a fresh controller's first request,
     whose replay estimates the others (feature heads are replayed only on request, see
-    `AutotuneController`), where trying a small model first served that request at 0.4x the
-    best arm and taught nothing the replay would not have."""
+    `AutotuneController`), where a small model first would serve it slowly and teach nothing
+    the replay would not have."""
     names = sorted(engine.drafters, key=lambda name: not capabilities(engine.drafters[name]).features)
     return [OFF] + [Arm(name, k) for name in names for k in ks if k <= MAX_K]
 
@@ -427,7 +427,7 @@ class AutotuneController:
                 one = requests[0]
                 pause = (lambda: bool(batch.waiting())) if batch is not None else None
                 results = [self.engine.generate(one.ids, arm, one.max_new_tokens, one.sampling, schedule,
-                                                one.streamer, pause, probes)]
+                                                one.streamer, RoundControl(pause, probes))]
                 served = results[0].metrics
                 # a replay of feature heads reads them rather than running the target again
                 features = served_features(self.engine.drafters[arm.drafter]) \
@@ -436,7 +436,7 @@ class AutotuneController:
                 together = self.engine.generate_batch([r.ids for r in requests], arm,
                                                       [r.max_new_tokens for r in requests],
                                                       [r.sampling for r in requests], [r.streamer for r in requests],
-                                                      probe_off=probes)
+                                                      control=RoundControl(probe_off=probes))
                 results, served = together.results, together.metrics
                 features = None
         with self.policy_lock:  # other threads' requests add to these costs
@@ -555,8 +555,7 @@ class AutotuneController:
             before = self._served.get(key, 0)
             self._served[key] = before + len(results)
             # This request's own OFF step, as its reward's: the target's steps slow down with the
-            # context (long prompts) and the machine's moment, and priced at the median step
-            # every replay of a long prompt fell 12-17 % short of the speedup measured beside it.
+            # context (long prompts) and the machine's moment.
             off_step = costs.off_step_during(served, arm.drafter) or costs.off_step()
             learning = before < self.settings.counterfactual_requests
             share = self._replay_share.setdefault(key, [0.0, 0.0, 0.0])
@@ -594,8 +593,8 @@ class AutotuneController:
         """The arms to replay: those the policy finds worth it, feature heads only with
         `replay_features`, and then, on a key's first request, every head's arm. What the other
         classes measured of a head comes from their text: after code classes had priced the prose
-        head, no prose class that came later replayed or played it (0.69 of the oracle after the
-        drift bench's flip), although it was their fastest arm."""
+        head, a prose class that came later would neither replay nor play it, although it is
+        their fastest arm."""
         def from_features(arm: Arm) -> bool:  # a head, or a hybrid around one
             return not arm.is_off and capabilities(self.engine.drafters[arm.drafter]).features
 

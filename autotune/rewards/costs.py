@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from engine import Arm
 
-VERIFY_SLOPE_PRIOR = 0.04  # extra verify cost per drafted token, as a share of a 1-token step (CPU, demo family)
+# Extra verify cost per drafted token, as a share of a 1-token step, until two widths are measured.
+VERIFY_SLOPE_PRIOR = 0.04
 
 
 OFF_ROUNDS = "off"  # who drafted a verify's tokens when no one did
@@ -15,9 +16,7 @@ NO_MODEL = "(no model)"  # whose verifies price those of every drafter that runs
 WINDOW = 32  # requests each cost is the median of: a burst shorter than half of them moves no estimate
 # A request's figure counts its rounds up to this many: one round's time says less than ten's, but
 # past a few dozen a figure is as precise as the moment it was taken, and a long request must not
-# outvote several short ones. Counted whole, one cold first OFF request (63 rounds, 1.3x the step
-# of the requests after it) outweighed calibration's three runs, and every reward after it read
-# 1.2-1.3x the speedup measured beside it until OFF was measured again.
+# outvote several short ones.
 ROUNDS_COUNTED = 16
 
 
@@ -41,29 +40,21 @@ class CostModel:
     round per width and drafter, of a drafter's prefill by prompt tokens.
 
     Each cost is the median over the last `window` requests that measured it, one observation a
-    request, not a running mean: on a shared machine one request can run 40x slower than the
-    next (torch's threads oversubscribed), and a discounted mean kept such an outlier for a
-    hundred requests, so a slow first OFF request made every later speculative reward look up
-    to 2.4x what its tokens per round allowed. Costs are relative where a reward uses them (see
-    `off_step_during`), and a verify of several tokens is never priced below a 1-token step,
-    so a reward can never exceed the tokens its rounds committed per verify.
+    request, not a running mean, so that one request slowed by other work moves no cost. Costs are
+    relative where a reward uses them (see `off_step_during`), and a verify of several tokens is
+    never priced below a 1-token step, so a reward can never exceed the tokens its rounds committed
+    per verify.
 
     A draft round costs more than K times a later step: its first step finds the drafter's
-    weights evicted from the CPU caches by the target's verify (demo family: 1.19 ms, against
-    0.62-0.85 ms for the later steps of the round), so a round is priced as measured at its K,
+    weights evicted from the CPU caches by the target's verify, so a round is priced as measured at its K,
     else by a line in its tokens through the Ks measured.
 
     Rewards and replays price rounds in OFF steps, and a ratio of two medians taken at different
-    moments is as wrong as the machine's speed moved between them: OFF's step was measured at
-    calibration and the drafters' verifies on later requests, and a controller's rewards came
-    out 0.9x or 1.24x the speedups measured beside them by whether the machine ran fast or slow
-    while it calibrated. So the costs in OFF steps are taken side by side: OFF and each drafter
-    on the same prompt within seconds (`rewards.calibrate`), then OFF steps served among a
-    request's own rounds (`probe_off`: the machine's step moves by a quarter within tenths of a
-    second, and a drafter's verifies over OFF runs beside them varied twice as much from one
-    request to the next as over OFF rounds among them). Requests without such steps never move
-    them; without any (a load no calibration ran at, an older store) the ratio of the medians
-    stands in.
+    moments is as wrong as the machine's speed moved between them. So the costs in OFF steps are
+    taken side by side: OFF and each drafter on the same prompt within seconds
+    (`rewards.calibrate`), then OFF steps served among a request's own rounds (`probe_off`: the
+    machine's step moves within tenths of a second). Requests without such steps never move them;
+    without any (a load no calibration ran at, an older store) the ratio of the medians stands in.
     """
 
     def __init__(self, window: int = WINDOW, verify_owners: dict[str, str] | None = None) -> None:
@@ -102,10 +93,7 @@ class CostModel:
         if metrics.draft_prefill_s > 0 and metrics.prompt_tokens:
             self._add(self.prefill.setdefault(arm.drafter, []), [metrics.draft_prefill_s, metrics.prompt_tokens])
         # Verifies are kept per drafter: one that follows a model's drafts finds the target's weights
-        # evicted from the CPU caches (a 1-token one costs 1.1-1.6x an OFF step on the demo family),
-        # one after a lookup does not. Priced alike, a 1-token verify among drafting rounds made
-        # every wider verify look cheap and rewards 22 % too high, and a hybrid's verifies after
-        # lookups made a model drafter's look cheap (its rewards 11 % too high).
+        # evicted from the CPU caches, one after a lookup does not.
         table = self.verify.setdefault(self._verifier(arm.drafter) if metrics.drafted else OFF_ROUNDS, {})
         for width, (seconds, rounds) in _verifies(metrics, batch):  # as fed: n-gram rounds vary
             if not (width == 1 and metrics.drafted):
@@ -193,13 +181,11 @@ class CostModel:
         return costs
 
     def draft_prefill_cost(self, drafter: str, prompt_tokens: int) -> float:
-        """Seconds for the drafter to take in a prompt (on long prompts in a batch of 16, a third
-        of the target's own prefill with the demo family); 0 before it was measured.
+        """Seconds for the drafter to take in a prompt; 0 before it was measured.
 
         A line in the prompt's tokens (a forward's fixed cost, then a cost per token), fitted by
         Theil-Sen (the median slope over pairs of requests, so one slow request does not tilt
-        it): priced per token at the median, long prompts' prefill cost 1.4x what they took and
-        short ones' too little, and rewards of model drafters fell 11 % short on long prompts."""
+        it), since a forward's fixed cost makes a cost per token wrong at both ends."""
         observations = self.prefill.get(drafter)
         if not observations:
             return 0.0
@@ -245,8 +231,7 @@ class CostModel:
     def off_step_during(self, metrics, drafter: str | None = None) -> float | None:
         """What an OFF step would have cost while this request ran.
 
-        The machine's speed moves by +-25 % from one request to the next (the demo family's OFF
-        steps: 6.5-13.5 ms per request at load 1, whatever the prompt), so an OFF step measured
+        The machine's speed moves from one request to the next, so an OFF step measured
         on other requests says little about this one. The request's own verifies do: their
         seconds, over what its verify widths cost in 1-token steps at this load after `drafter`'s
         drafts, are its 1-token step. None until a 1-token step has run at this load.
@@ -282,9 +267,7 @@ def _verifies(metrics, batch: bool) -> list[tuple[int, list[float]]]:
     """(width, [seconds, rounds]) of the verifies a request's costs are learned from: all of
     them, but of a static batch only those at its most frequent width. A batch's other widths
     come from its last rounds, where rows near their token limit draft fewer and most rows have
-    finished: one 2-token verify of 3 rows' tail priced at a fifth of a 7-token one of 16 made
-    every K=6 batch estimate K=1 at twice its reward (chat at 1.96x OFF, measured 0.93x), and
-    the policy played the arms those estimates named."""
+    finished, and priced from those a batch's small Ks looked far cheaper than they are."""
     widths = [(width, row) for width, row in metrics.verify_by_width.items() if row[1]]
     if batch and widths:
         return [max(widths, key=lambda item: item[1][1])]
@@ -315,8 +298,7 @@ def _verify_line(tables: dict[str, dict[int, list[list[float]]]], tokens: int, w
 
     The line for a multi-token verify goes through multi-token verifies only: a 1-token step
     skips work that every longer one pays once (eager attention builds a causal mask for more
-    than one query), 26 % of a step on the demo family against ~5 % per extra token, so a line
-    through it would price large K at twice their cost until they had been played.
+    than one query), so a line through it would price large K far above their cost until played.
     """
     own = tables.get(who, {})
     if own.get(tokens):  # the common case, on every request's path: no other width needed

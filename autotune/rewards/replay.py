@@ -112,10 +112,8 @@ def hybrid_estimates(engine: SpeculativeEngine, arm: Arm, metrics, reward: float
     everywhere else its inner drafter drafts, kept as often per position as in this request
     (`kept_chain`). Both arms' rounds are priced with the same measured costs and the hybrid's
     time scaled by what this request's own rounds took over their price, so the estimate moves
-    with the served arm's reward. Without it a policy that found a feature head fast learned its
-    hybrid only by playing it: ucb on the many-classes stream played `feature:4` in 90 of 104
-    requests while `ngram+feature:4` served the same requests 1.04x faster. Ks above the served
-    one extrapolate its chain: less weight."""
+    with the served arm's reward; without it a policy learns a hybrid only by playing it. Ks
+    above the served one extrapolate its chain: less weight."""
     hybrids = {name: hybrid_ks for name, hybrid_ks in ks.items()
                if name != arm.drafter and lookup_of(engine.drafters[name]) is not None
                and draft_cost_owner(engine, name) == arm.drafter}
@@ -189,13 +187,9 @@ def hybrid_parts(engine: SpeculativeEngine, name: str) -> tuple[str | None, str]
 
 def verify_owners(engine: SpeculativeEngine) -> dict[str, str]:
     """Whose verify costs price each of the engine's drafters': its own for a drafter that runs a
-    model (its drafts evict the target's weights from the CPU caches: a 1-token verify after them
-    costs 1.1-1.6x an OFF step on the demo family), NO_MODEL for the others (lookups, feature
-    heads, layer skips, hybrids of them), whose verifies find the target as OFF's do. Each from
-    its own table, priced from a few of calibration's rounds, four calibrations put the rewards
-    of one set of ngram+feature:8 requests at 0.89-1.12x the speedups measured beside them
-    (pooled: 0.92-0.99), and one controller priced the head's and its hybrid's 9-token verify
-    at 1.32 and 2.34 OFF steps."""
+    model (its drafts evict the target's weights from the CPU caches), NO_MODEL for the others
+    (lookups, feature heads, layer skips, hybrids of them), whose verifies find the target as
+    OFF's do and are priced from one pooled table, steadier than a table each."""
     return {name: name if model_drafter_of(drafter) is not None else NO_MODEL
             for name, drafter in engine.drafters.items()}
 
@@ -251,8 +245,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
     A hybrid's rounds of one request are priced by who drafted them, at the costs of the
     engine's n-gram drafter and of the model drafter that runs its model (`hybrid_parts`): its
     own cost per round is an average over the requests it served, whose share of lookup rounds
-    differs from this one's (copy-heavy code: most; chat: few), and priced so its replays were
-    16 % short of its measured speedup.
+    differs from this one's (copy-heavy code: most; chat: few).
     """
     samplings = sampling if isinstance(sampling, list) else [sampling] * len(requests)
     kept = [i for i, r in enumerate(requests) if len(r[1]) >= 2]

@@ -33,8 +33,7 @@ logger = logging.getLogger(__name__)
 
 CALIBRATION_PROMPT = 256  # tokens of the prompt `calibrate` serves each arm kind on, at most
 # What `calibrate` serves, through the engine's tokenizer: text a model continues as it would a
-# request's, so drafts are kept about as often (on random token ids every sampled draft was
-# rejected, and rejection's extra work priced sampled rounds 1.4x what requests measured).
+# request's, so drafts are kept about as often as on requests.
 CALIBRATION_TEXT = '''def read_config(path, defaults=None):
     """Read a key = value file into a dict, with the defaults for keys it does not set."""
     config = dict(defaults or {})
@@ -71,36 +70,24 @@ def merge_configs(*configs):
         merged.update(config)
     return merged
 '''
-# Tokens it decodes per drafter's run. At every K, 33 put every kind's rewards within 0.99-1.05x
-# the speedups measured beside them in three runs of `autotune bench rewards`; 65, or two passes
-# of 33, were no closer (0.97-1.07x) and took 1.6x as long.
+# Tokens it decodes per drafter's run: more were no closer to the speedups measured beside them.
 CALIBRATION_TOKENS = 33
 CALIBRATION_OFF_TOKENS = 17
 # OFF rounds a request runs among its own while its drafter's costs in OFF steps are learned
-# (`RewardModel.probes_for`). A drafter's verify in OFF steps, one request at a time on the demo
-# family, spread by 0.09-0.24 (sd) over three such rounds, 0.15-0.34 over full OFF runs beside
-# it, and the median of a few requests' priced rewards within 5 % of the speedups measured
-# (`autotune bench rewards`). Two cost a 64-token request on a 2x feature arm about 5 % of its
-# time. Off by default: on a drafter's first six requests then one in 64, the many-classes
-# bench ran 3-4 % below the code without them in this CPU's runs of one hour (ucb 0.916-0.917
-# against 0.950-0.971 of the best static arm).
+# (`RewardModel.probes_for`). Off by default: they cost more than they taught on the
+# many-classes bench.
 PROBE_ROUNDS = 2
 PROBE_FIRST = 0
 PROBE_EVERY = 0  # 0: none after the first
 # OFF rounds every batch on a drafter runs among its own, for the same reason and always: no
-# calibration prices a batch's rounds true to scale. Bursts of 16 on the committed family priced
-# by the ratio of the medians over other batches (of other classes and fills; rows leave a
-# speculative batch as they finish, so its last rounds verify fewer rows) recorded rewards
-# 1.0-1.39x the speedups measured beside them; calibrated on one prompt in 16 copies, 0.85-0.90x
-# (rows that differ pad each step: there a 4-token verify costs 1.3-1.44 OFF steps, in copies 1.9).
-# Two of a batch's 25-60 rounds: under 1 % of its time.
+# calibration prices a batch's rounds true to scale (rows of other prompts pad each step
+# differently), and two rounds are a small share of a batch's.
 BATCH_PROBE_ROUNDS = 2
 
 
 def cost_key(bucket: str, sampled: bool) -> str:
     """Where the costs of requests at this load bucket are kept: a sampled round costs more than a
-    greedy one (drafts sampled under top-p 1.42x, verifies 1.17x on the demo family), and priced
-    as a greedy one's, every replay of a greedy request on a cost model fed sampled ones fell short."""
+    greedy one, and priced as a greedy one's, every replay of a greedy request fell short."""
     return bucket + (" sampled" if sampled else "")
 
 
@@ -121,8 +108,7 @@ class RewardModel:
     class), and again once `remeasure_off_every` requests there measured no OFF step (neither
     served OFF nor running OFF rounds among their own, `probes_for`): every reward and replay
     is scaled by that step, and a policy that has left OFF would otherwise price them for good
-    by OFF steps measured at another moment of the machine (rewards 0.90-1.17x the speedups
-    measured beside them, by the moment each controller measured OFF). A static batch needs
+    by OFF steps measured at another moment of the machine. A static batch needs
     neither: it measures OFF's step among its own rounds.
     """
 
@@ -213,9 +199,8 @@ class RewardModel:
         The segment's time is everything but the target's prefills of requests joining (any arm
         pays those): drafts, verifies, drafters' prefills, and the copies of the caches as rows
         join and leave, which a speculative batch makes more of (its rows finish at different
-        rounds; OFF's joined together finish together). Counting drafts and verifies only,
-        segments of speculative arms scored 1.1-1.45 on the demo family where their batches
-        measured 0.95-1.04x OFF's tokens/s. An OFF round costs the OFF step that the segment's
+        rounds; OFF's joined together finish together), so counting drafts and verifies alone
+        would score speculative segments high. An OFF round costs the OFF step that the segment's
         own verifies imply, times the engine seconds OFF rounds take per second of their verify
         (measured on OFF segments, `off_decode_factor`).
         """
@@ -258,13 +243,8 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     """What OFF's steps and each drafter's rounds cost alone, measured before the first request
     on CALIBRATION_TEXT (random token ids without a tokenizer; each drafter of `ks` at every K of
     it, CALIBRATION_TOKENS each), so that the first request needs no OFF baseline, every arm can
-    be replayed from it, and no drafter is priced from one K played (a K=1 round times K
-    overpriced a drafter's longer rounds by a third, and kept it from being played). Every K:
-    priced from a drafter's smallest and largest only, a 5-token verify, every round of a K=4
-    feature head, came from the few that n-gram lookups happened to make, and the rewards of
-    every drafter sharing that table moved by 10-14 % from one calibration to the next. On the
-    committed family the greedy one took 43-51 s on a 2-core CPU (the controller runs a sampled
-    one after it), once: the costs are kept in the store.
+    be replayed from it, and no drafter is priced from one K played (its longer rounds cost
+    more than K of its shortest). It runs once: the costs are kept in the store.
     Its draft and verify costs in OFF steps, measured side by side, price every reward and
     replay after it until requests' OFF rounds among their own outvote them
     (CostModel.observe_side_by_side, `RewardModel.probes_for`); the costs in seconds are
@@ -279,8 +259,7 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
         rng = random.Random(0)
         prompt = [rng.randrange(engine.vocab_size) for _ in range(length)]
     # Each drafter's run between two of OFF, every reward being scaled by OFF's step: the machine's
-    # speed moves by a tenth or more within seconds, and a drafter's costs in OFF steps taken
-    # against OFF runs before all of them varied by 15 % from one calibration to the next. A
+    # speed moves within seconds. A
     # hybrid of a model drafter is replayed from its parts' costs; one of a feature head is run too
     # (it is rewarded, when played, by its own verifies' costs in OFF steps).
     drafters = [Arm(drafter, k) for drafter, drafter_ks in ks.items()
@@ -314,11 +293,10 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     # price every verify low and every reward high: each arm runs a few steps unrecorded first.
     for arm in [OFF, *drafters]:
         run(arm, recorded=False)
-    # One slow moment (other work taking the cores) throws off the run it hits, either way: under
-    # bursts of 8x slower forwards, single passes priced a model drafter's 5-token verify at 1.0
-    # and at 4.6 OFF steps (1.3-1.4 quiet), and such a price stood behind every reward after it.
-    # So each drafter runs twice, the second pass in reverse order, and a third time where the two
-    # disagree; a cost is the median of its runs (CostModel's).
+    # One slow moment (other work taking the cores) throws off the run it hits, either way, and its
+    # price would stand behind every reward after it. So each drafter runs twice, the second pass in
+    # reverse order, and a third time where the two disagree; a cost is the median of its runs
+    # (CostModel's).
     passes = [side_by_side(drafters), side_by_side(drafters[::-1])]
     apart = [arm for arm in drafters if arm in passes[0] and arm in passes[1]
              and _disagree(passes[0][arm], passes[1][arm])]

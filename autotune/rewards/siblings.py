@@ -28,17 +28,14 @@ def sibling_rewards(metrics, arm, reward: float, ks, round_cost: Callable[[int],
     K' < K every S_i is measured; for K' > K the last one's fall is extended geometrically, so
     those estimates get less weight. S_i counts every round, drafted that far or not: a lookup
     that found a short match (or none) drafts fewer than K, and over the rounds that drafted
-    position i only, a hybrid's deep positions looked kept as often as its first ones: with its
-    draft rounds priced by its own cost per round too (`counterfactual.draft_cost_owner`), every
-    K=8 request priced the hybrid's smaller Ks 0.77-0.85x the speedups measured.
+    position i only, a hybrid's deep positions would look kept as often as its first ones.
 
     `round_cost(k)` (the cost model's seconds of a k-token draft round, of the drafter whose rounds
     cost what K makes them: a hybrid's inner one, its lookups cost next to nothing at any K) says
     how draft cost grows with K, and `verify_cost(tokens)` (its seconds of a verify of that many
     tokens after this drafter) how the verify grows, both scaled to this request's own rounds;
     without them, K steps at this request's mean step cost and a verify that costs the same at
-    every K. A verify of 9 tokens costs about 1.3x one of 5 on the demo family, and priced alike,
-    every request at K=4 told the policy K=8 was faster than measurement said.
+    every K, which would tell the policy that larger Ks are faster than they are.
     """
     if arm.is_off or not metrics.draft_steps or not metrics.rounds:
         return {}

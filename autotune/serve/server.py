@@ -84,11 +84,9 @@ _TAIL = re.compile(r"[\s\ufffd]+$")  # what a later token can still change: whit
 POLICY_PAGE = 100  # rows of /v1/autotune/policy at most per call: its cost grows with the keys shown
 
 
-# Connections a server holds at most whatever its descriptor limit. Holding an idle connection
-# costs about 2 KB and no CPU; closing one to a client that reopens it costs an accept, a close
-# and the garbage collector's time: against 20,000 idle clients that reopen what it closes, a cap
-# of 10,000 closed 10,000 connections a second and normal requests waited out full collections
-# of 0.17-0.31 s (`autotune bench hostile`, measurements-history.md).
+# Connections a server holds at most whatever its descriptor limit: holding an idle connection
+# costs little and no CPU, while closing one to a client that reopens it costs an accept, a close
+# and the garbage collector's time.
 MAX_CONNECTIONS = 65_536
 SPARE_DESCRIPTORS = 256  # for the store, the model files, the engine's threads
 
@@ -108,9 +106,8 @@ def raise_descriptor_limit() -> None:
 def freeze_startup_heap() -> None:
     """Everything alive once the server is built (modules, tokenizer, model, controller) moved
     where the garbage collector no longer walks it, as vLLM's `freeze_gc_heap` does after its
-    engine starts: a full collection otherwise walks that whole heap, and one took 0.27-0.55 s in
-    a server holding 20,000 connections, a pause every request in flight waits out. Objects made
-    later are collected as before."""
+    engine starts: a full collection otherwise walks that whole heap, a pause every request in
+    flight waits out. Objects made later are collected as before."""
     gc.collect()  # what is garbage now would never be collected once frozen
     gc.freeze()
 
@@ -119,9 +116,7 @@ def run_below_the_engine(nice: int) -> None:
     """This thread (the event loop's) `nice` steps below its priority now, where the OS sets
     priority per thread (Linux; elsewhere it would take the engine's threads down with it). On a
     core it shares with the engine's worker, the loop's work for connections then waits for the
-    engine instead of taking half the core from it (`autotune bench hostile --attacker-cpus 1`:
-    the slowest normal request of a run under 20,000 idle connections 1.4-2.1x its quiet
-    latency, against 1.9-2.8x with the loop level with the engine). Threads the loop starts
+    engine instead of taking half the core from it. Threads the loop starts
     later (a request's, a tokenizer's) take its priority; the engine's worker, started before,
     does not. Nice ranks threads within their scheduling group: with Linux's autogroup, a
     session, so the loop yields to processes of other sessions no more than the server does."""
@@ -200,8 +195,8 @@ class WaitingConnections:
 class NewConnection(asyncio.Protocol):
     """A connection that has sent nothing yet, held as this one small object (and the loop's
     transport). uvicorn's protocol and h11's state, with a timer, were about nineteen objects a
-    connection that every full garbage collection walks: with 20,000 idle connections held, each
-    such walk paused every request in flight 56-141 ms. They are made when the first bytes come.
+    connection that every full garbage collection walks, pausing every request in flight. They
+    are made when the first bytes come.
     Past the server's connection cap (`cap`) the connection waiting longest is closed to let this
     one in. `cap`, `waiting` and `protocol` are set per server by `bounded_protocol`."""
 
@@ -221,7 +216,7 @@ class NewConnection(asyncio.Protocol):
         if not isinstance(self.loop, UVLoop):  # uvloop turns Nagle's algorithm off on every TCP transport
             # asyncio's does only for sockets whose proto says TCP, and a socket accepted from
             # socket.create_server's says 0: on a kept-alive connection the body then waited for
-            # the client's delayed ACK of the head (40 ms a response), and a stream's chunks too.
+            # the client's delayed ACK of the head, and a stream's chunks too.
             transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.closing or (len(self.server_state.connections) >= self.cap and not self.waiting.close_oldest()):
             transport.close()  # the server is stopping, or every connection is serving a request
