@@ -36,7 +36,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from engine.drafters import BatchDrafting, ModelDrafter, capabilities
+from engine.drafters import BatchDrafting, HoldsNothing, ModelDrafter, capabilities
 from engine.errors import InvalidRequestError
 from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
@@ -423,12 +423,12 @@ def _positions(live: torch.Tensor, start: list[int]) -> torch.Tensor:
     return before + torch.tensor(start, device=live.device)[:, None]
 
 
-class ModelBatch:
+class ModelBatch(HoldsNothing):
     """A model drafter's drafting for the rows of a batch: K one-token steps of its model over a
     batch cache of its own (the first step may catch a row up on tokens lookup drafted)."""
 
     def __init__(self, drafter: ModelDrafter) -> None:
-        self.drafter = drafter
+        super().__init__(drafter)
         self.prefixes = drafter.runner.prefixes  # the drafter's kept prompts
         self.cache: BatchCache | None = None  # None: it holds no row yet
         self.first_slot = 0  # this round's: where its first draft token goes
@@ -503,9 +503,6 @@ class ModelBatch:
     def compact_if_sparse(self) -> None:
         if self.cache is not None:
             self.cache.compact_if_sparse()
-
-    def part_for(self, drafter) -> ModelBatch | None:
-        return self if drafter is self.drafter else None
 
 
 @dataclass

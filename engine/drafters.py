@@ -126,11 +126,11 @@ def reusable(reuse: BatchDrafting | None, drafter) -> BatchDrafting | None:
     return reuse.part_for(drafter) if reuse is not None else None
 
 
-class RowByRow:
-    """The batched drafting of a drafter that drafts from the tokens alone, with no state of its
-    own (prompt lookup): each row's drafts from `propose`."""
+class HoldsNothing:
+    """The parts of a `BatchDrafting` for a drafter that holds nothing per row: a subclass
+    overrides what it holds and drafts (`propose`)."""
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter) -> None:
         self.drafter = drafter
 
     def catch_up(self, rows: list[Row]) -> bool:
@@ -138,10 +138,6 @@ class RowByRow:
 
     def join(self, rows: list[Row], fed: list, replace: bool) -> bool:
         return False
-
-    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
-        return Drafts([self.drafter.propose(r.tokens, k, r.sampling, r.generator)[0] for r, k in zip(rows, ks)],
-                      [None] * len(rows))
 
     def accepted(self, b: int, row: Row, start: int, kept: int, drafts: Drafts, hidden: torch.Tensor | None) -> None:
         pass
@@ -159,7 +155,16 @@ class RowByRow:
         return self if drafter is self.drafter else None
 
 
-class HybridBatch(RowByRow):
+class RowByRow(HoldsNothing):
+    """The batched drafting of a drafter that drafts from the tokens alone, with no state of its
+    own (prompt lookup): each row's drafts from `propose`."""
+
+    def propose(self, rows: list[Row], ks: list[int]) -> Drafts:
+        return Drafts([self.drafter.propose(r.tokens, k, r.sampling, r.generator)[0] for r, k in zip(rows, ks)],
+                      [None] * len(rows))
+
+
+class HybridBatch(HoldsNothing):
     """A hybrid's batched drafting: lookup row by row, its inner drafter's batched drafting for
     the rows lookup left empty (only they draft there, but every row catches up)."""
 

@@ -54,6 +54,22 @@ def _load(path_or_model, device, dtype) -> PreTrainedModel:
     return path_or_model.to(device=device, dtype=dtype).eval()
 
 
+# What a drafter that declares each capability must have (engine/drafters.py `Capabilities`).
+DECLARED = {"batch": ("for_batch",), "replay": ("replay_chains",), "features": ("attach", "take_features"),
+            "shares_target": ("share",)}
+
+
+def check_declared(name: str, drafter) -> None:
+    """Refuse, by name, a drafter without the protocol's calls or without a method its declared
+    capabilities need, rather than let it fail in a batch or a replay later."""
+    missing = [call for call in ("begin", "propose", "rollback") if not callable(getattr(drafter, call, None))]
+    able = capabilities(drafter)
+    missing += [f"{method} (for {what}=True)" for what, methods in DECLARED.items() if getattr(able, what)
+                for method in methods if not callable(getattr(drafter, method, None))]
+    if missing:
+        raise IncompatibleDrafterError(f"drafter {name!r} ({type(drafter).__name__}) lacks {', '.join(missing)}")
+
+
 class _Alone:
     """How one request's round feeds the models (`engine.round.Feed`): the target's runner, and
     the drafter with its own cache, one sequence each."""
@@ -179,6 +195,7 @@ class SpeculativeEngine:
             drafter = _load(drafter, self.device, self.dtype)
         if isinstance(drafter, PreTrainedModel):
             drafter = ModelDrafter(_load(drafter, self.device, self.dtype), tokenizer)
+        check_declared(name, drafter)
         model = model_drafter_of(drafter)
         if model is not None:
             if model.runner.kind != self.cache_kind or self.cache_kind == "compiled":  # a dynamic one is as good

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.arms import MAX_K
-from engine.drafters import BatchDrafting, Capabilities, lookup_of, reusable
+from engine.drafters import BatchDrafting, Capabilities, HoldsNothing, lookup_of, reusable
 from engine.errors import IncompatibleDrafterError
 from engine.replay import ReplayChains, ReplayInputs
 from engine.round import Drafts, Row
@@ -552,13 +552,14 @@ class FeatureDrafter:
         self._have = min(self._have, valid_length)
 
 
-class HeadBatch:
+class HeadBatch(HoldsNothing):
     """A feature head's drafting for the rows of a batch: a drafter of the head's for each row
     (`FeatureDrafter.for_row`), in the batch's row order, handed the target's features of the
     positions each row commits; a round's head steps run for every drafting row at once."""
 
     def __init__(self, drafter: FeatureDrafter, target: nn.Module) -> None:
-        self.drafter, self.target = drafter, target
+        super().__init__(drafter)
+        self.target = target
         self.rows: list[FeatureDrafter] | None = None  # None: it holds no row yet
 
     def _row(self, row: Row, fed: tuple[int, torch.Tensor] | None) -> FeatureDrafter:
@@ -604,15 +605,6 @@ class HeadBatch:
     def select(self, order: list[int]) -> None:
         if self.rows is not None:
             self.rows = [self.rows[b] for b in order]
-
-    def keep(self, b: int, row: Row, length: int) -> None:
-        pass
-
-    def compact_if_sparse(self) -> None:
-        pass
-
-    def part_for(self, drafter) -> BatchDrafting | None:
-        return self if drafter is self.drafter else None
 
 
 def target_features(model, sequence: list[int], memo: dict) -> Features:

@@ -43,7 +43,7 @@ def draft_model():
     return tiny_llama(1, layers=1)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def store_url(request):
     """A fresh store's URL: a SQLite file, and a database of its own on the PostgreSQL server at
     $AUTOTUNE_TEST_POSTGRES_URL (`.ci/postgres start` starts one; CI sets

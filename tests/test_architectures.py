@@ -173,7 +173,8 @@ RECURRENT = {  # models whose layers hold a recurrent state: name -> (seed -> mo
 }
 
 
-@pytest.fixture(scope="module", params=list(RECURRENT))
+@pytest.fixture(scope="module", params=[name if name == "lfm2" else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in RECURRENT])
 def recurrent(request):
     """A model with recurrent layers as target, a drafter of its kind, and the target's greedy outputs."""
     target, drafter = RECURRENT[request.param](0), RECURRENT[request.param](1)

@@ -82,6 +82,7 @@ def llama_servers(llama, ggufs):
     backend.close()
 
 
+@pytest.mark.slow
 def test_llamacpp_greedy_is_the_engines_and_speculation_keeps_it(llama_servers, prompts):
     """llama.cpp OFF, fed the same token ids, gives this engine's greedy tokens; its draft model
     and n-gram speculation give the same tokens, or a prefix of them: with a draft model a round
@@ -141,6 +142,7 @@ def sampled_p_value(post, ids: list[int], samples: int, expected: torch.Tensor, 
     return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item()).pvalue
 
 
+@pytest.mark.slow
 def test_llamacpp_sampling_follows_the_target_and_the_test_can_tell(llama_servers, tokenizer):
     """Sampled at temperature 1 through the backend, with the draft model verifying the second
     token, llama.cpp's first two tokens follow the target's joint distribution; its own default
@@ -171,6 +173,7 @@ def test_llamacpp_sampling_follows_the_target_and_the_test_can_tell(llama_server
     assert sampled_p_value(llamas_defaults, ids, 500, expected, likeliest) < 1e-3  # seen: 3e-41
 
 
+@pytest.mark.slow
 def test_controller_on_llamacpp_learns_bounded_rewards_and_resumes(llama_servers, prompts, tokenizer, tmp_path):
     backend, _ = llama_servers
     url = f"sqlite:///{tmp_path / 'store.db'}"
@@ -195,6 +198,7 @@ def test_controller_on_llamacpp_learns_bounded_rewards_and_resumes(llama_servers
         assert resumed.costs.off_rate(1) == off_rate  # no OFF request needed after a restart
 
 
+@pytest.mark.slow
 def test_llamacpp_down_or_silent_fails_fast_with_its_address(llama, ggufs, llama_servers, prompts):
     """A server that is gone: the request goes to OFF, naming the failure; a server that accepts
     but never answers: an error at the timeout, not a hang."""
@@ -223,6 +227,7 @@ def test_llamacpp_down_or_silent_fails_fast_with_its_address(llama, ggufs, llama
         assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_the_server_in_front_of_llamacpp(llama_servers, prompts, tokenizer):
     """`autotune serve --backend llamacpp`'s server: completions served on llama.cpp through the
     controller, the same text as llama.cpp's own greedy output; an option llama.cpp is not sent
@@ -378,6 +383,7 @@ def replicas(tmp_path_factory):
         process.wait(30)
 
 
+@pytest.mark.slow
 def test_routing_backend_over_replicas(replicas, prompts, tokenizer):
     """Each arm served by its replica: the same greedy text; drafted and accepted counts read
     from the replica's vLLM counters; the controller learns over them; a replica that is gone

@@ -11,6 +11,9 @@ from engine.feature import FeatureDrafter
 ARMS = ["off", "small:3", "ngram:3", "hybrid:3", "feature:3", "skip:3"]
 
 
+pytestmark = pytest.mark.slow  # compiled steps: a warm-up compiles every graph first
+
+
 @pytest.fixture(scope="module")
 def head(target):
     return feature_head(target)

@@ -104,7 +104,7 @@ def test_a_restarted_controller_resumes_where_it_stopped(engine, tmp_path):
         # calibrated side by side with OFF, each drafter at every K of its arms
         assert {d: set(ks) for d, ks in resumed.rewards.costs["1"].relative_draft.items()} == {"small": {2},
                                                                                               "ngram": {3}}
-        assert resumed._served == ctl._served  # nor replaying counterfactuals again from the start
+        assert resumed.others.served == ctl.others.served  # nor replaying counterfactuals again from the start
         # No re-exploration: the first choice is not the OFF baseline nor an untried arm.
         assert resumed.policy.choose(Context("code")) == ctl.policy.choose(Context("code"))
 

@@ -31,9 +31,9 @@ def engine(target, draft_model):
                                       "hybrid": HybridDrafter(draft_model)})
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(repetition_penalty=1.3, presence_penalty=0.5,
-                                                                       logit_bias={t: 2.0 for t in range(0, 64, 6)}),
-                                      SamplingParams(logits_processor=none_of_the_last_four)])
+@pytest.mark.parametrize("sampling", [SamplingParams(), *(pytest.param(s, marks=pytest.mark.slow) for s in (
+    SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={t: 2.0 for t in range(0, 64, 6)}),
+    SamplingParams(logits_processor=none_of_the_last_four)))])
 def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine, sampling):
     """Greedy, also with penalties and a logit bias, or a caller's logits processor (the drafters
     draft with them, and so does the replay)."""

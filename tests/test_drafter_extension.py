@@ -1,12 +1,13 @@
 """A new drafter kind is one class: defined here, registered, it is batched, replayed and lossless
 with no other file changed."""
 
+import pytest
 import torch
 from test_engine import prompts
 
 from autotune.control.controller import default_arms
 from autotune.rewards.replay import batch_rounds, replay_arm
-from engine import OFF, Arm, SpeculativeEngine
+from engine import OFF, Arm, IncompatibleDrafterError, SpeculativeEngine
 from engine.drafters import Capabilities, RowByRow, reusable
 from engine.replay import ReplayChains, ReplayInputs, lookup_chains
 from engine.round import Drafts
@@ -56,3 +57,11 @@ def test_a_drafter_defined_here_is_batched_replayed_and_lossless(target):
         assert served.metrics.drafted > 0 and served.metrics.accepted > 0, arm
         replayed = batch_rounds([replay_arm(engine, arm, p, o, n) for p, o, n in zip(batch, alone, limits)])
         assert (len(replayed), sum(replayed)) == (served.metrics.rounds, served.metrics.draft_steps), arm
+
+
+def test_a_drafter_that_declares_what_it_cannot_do_is_refused_by_name(target):
+    class Claims(RepeatLast):
+        for_batch = None  # declares batch=True without the call
+
+    with pytest.raises(IncompatibleDrafterError, match=r"lacks for_batch \(for batch=True\)"):
+        SpeculativeEngine(target, {}).add_drafter("claims", Claims())

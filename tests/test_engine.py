@@ -69,7 +69,8 @@ def prompts(n, vocab=64, seed=7):
     return out
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["static-cache", "dynamic-cache"])
+@pytest.fixture(scope="module", params=[pytest.param(True, marks=pytest.mark.slow), False],
+                ids=["static-cache", "dynamic-cache"])
 def engine(request, target, draft_model):
     return SpeculativeEngine(
         target,

@@ -14,7 +14,7 @@ from engine import HybridDrafter, IncompatibleDrafterError, RoundControl, Specul
 from engine.feature import FeatureDrafter
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix-cached"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", pytest.param("prefix-cached", marks=pytest.mark.slow)])
 def test_greedy_equals_target_generate_and_the_head_gets_each_committed_positions_features(target, cache,
                                                                                           monkeypatch):
     """With prefixes kept, later prompts prefill only their tail: features start there."""

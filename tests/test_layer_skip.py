@@ -30,7 +30,8 @@ def skip_drafters(skip_sets) -> dict:
     return out
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "prefix-cached"])
+@pytest.mark.parametrize("cache", ["dynamic", *(pytest.param(c, marks=pytest.mark.slow)
+                                                for c in ("static", "prefix-cached"))])
 def test_greedy_equals_target_generate_for_every_skip_set_and_k(deep_target, cache):
     engine = SpeculativeEngine(deep_target, skip_drafters([{1}, {2, 3}, {1, 2, 3}]), static_cache=cache == "static",
                                prefix_cache_tokens=1024 if cache == "prefix-cached" else 0)

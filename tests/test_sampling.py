@@ -136,16 +136,22 @@ def p_value(engine, arm, params, expected, samples=SAMPLES):
     return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item()).pvalue
 
 
+def slow(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize(
     ("arm", "params"),
-    [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)), ("draft:2", SamplingParams(0.7, 0.9)),
+    # every drafter kind at temperature 1; the sampling options on the slow tier
+    [("draft:2", SamplingParams(1.0)), ("ngram:2", SamplingParams(1.0)),
+     slow("draft:2", SamplingParams(0.7, 0.9)),
      ("hybrid:2", SamplingParams(1.0)),  # PROMPT repeats "1 2": the first round is lookup's, later ones the model's
-     ("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05)),
-     ("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3)),
-     ("draft:2", SamplingParams(1.0, logit_bias={3: 1.5, 5: -1.0}, allowed_token_ids=[0, 2, 3, 4, 5, 7],
-                                repetition_penalty=1.5)),
-     ("draft:2", SamplingParams(1.0, logits_processor=[NoRepeatNGramLogitsProcessor(2), favour_the_next_id])),
-     ("feature:2", SamplingParams(1.0)), ("feature:2", SamplingParams(0.7, 0.9, repetition_penalty=1.5)),
+     slow("draft:2", SamplingParams(1.0, top_k=4, min_p=0.05)),
+     slow("draft:2", SamplingParams(1.0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.3)),
+     slow("draft:2", SamplingParams(1.0, logit_bias={3: 1.5, 5: -1.0}, allowed_token_ids=[0, 2, 3, 4, 5, 7],
+                                    repetition_penalty=1.5)),
+     slow("draft:2", SamplingParams(1.0, logits_processor=[NoRepeatNGramLogitsProcessor(2), favour_the_next_id])),
+     ("feature:2", SamplingParams(1.0)), slow("feature:2", SamplingParams(0.7, 0.9, repetition_penalty=1.5)),
      ("ngram+feature:2", SamplingParams(1.0))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
@@ -172,6 +178,7 @@ def test_the_same_test_rejects_a_biased_sampler(models, monkeypatch):
     assert p_value(engine, "draft:2", params, exact_joint_of_tokens_2_and_3(target, params)) < ALPHA
 
 
+@pytest.mark.slow
 def test_sampling_on_a_target_with_recurrent_layers_matches_its_distribution():
     """Qwen3-Next target and drafter (linear attention, then full): a rejected draft rolls both
     back by restoring their states and feeding the kept tokens again, which must leave the

@@ -402,6 +402,7 @@ def a_stop_across_two_tokens(decode, tokens: list[int]) -> str:
     raise AssertionError("no such stop string in this output")
 
 
+@pytest.mark.slow
 def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what_it_learned(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
     tiny_llama(0, vocab=len(tokenizer)).save_pretrained(tmp_path / "model")
@@ -446,6 +447,7 @@ def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what
     assert [(o["request_class"], o["new_tokens"]) for o in observations] == [("code", 8), ("docs", 4), ("tenant-3", 4)]
 
 
+@pytest.mark.slow
 def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
     from autotune.bench import bench_serve
     from autotune.data.classes import RequestClass

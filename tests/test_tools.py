@@ -51,6 +51,7 @@ def small_store(tmp_path_factory, target, draft_model, classes):
     return engine, url
 
 
+@pytest.mark.slow
 def test_tuning_is_resumable_and_seeds_the_online_policy(small_store, classes):
     engine, url = small_store
     study = tune_class(engine, classes["rep"], url, ARMS, budget=2, prompts_per_trial=2, progress=False)
@@ -65,6 +66,7 @@ def test_tuning_is_resumable_and_seeds_the_online_policy(small_store, classes):
     assert {a for a, row in table.rows.items() if row[0] > 0} == set(priors["rep"])
 
 
+@pytest.mark.slow
 def test_a_skip_set_search_per_class_adds_its_best_sets_as_arms_and_seeds_them(classes, tmp_path):
     """SWIFT's search offline: one yes/no per skippable layer and K; OFF (nothing skipped) first."""
     target = tiny_llama(3, layers=4)
@@ -89,6 +91,7 @@ def test_a_skip_set_search_per_class_adds_its_best_sets_as_arms_and_seeds_them(c
     assert set(best[:2]) <= set(seeded) and ctl.policy.table(Context("rep")).rows[best[0]][0] > 0
 
 
+@pytest.mark.slow
 def test_bench_layer_skip_compares_tuned_sets_with_the_best_single_set_and_early_exit(classes):
     from autotune.bench import bench_layer_skip
 
@@ -106,6 +109,7 @@ def test_bench_layer_skip_compares_tuned_sets_with_the_best_single_set_and_early
         assert c["tuned_vs_best_single"] == pytest.approx(ratio, abs=2e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notebook, figures", [("policy_inspection.ipynb", 6), ("tuning_report.ipynb", 4)])
 def test_notebooks_run_top_to_bottom_and_draw_their_figures(small_store, notebook, figures, monkeypatch, tmp_path):
     """Every cell runs and every plot is drawn; the figures are written to $NOTEBOOK_FIGURES
@@ -164,6 +168,7 @@ def test_optuna_studies_share_the_store_database(small_store):
         assert store.count() == 30 and store.integrity_check() == "ok"
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_on_the_committed_family(tmp_path, capsys):
     url = f"sqlite:///{tmp_path / 'demo.db'}"
     assert main(["demo", "--requests", "8", "--db", url, "--json", str(tmp_path / "demo.json")]) == 0
@@ -176,6 +181,7 @@ def test_demo_runs_end_to_end_on_the_committed_family(tmp_path, capsys):
         assert all(o["engine_identity"].startswith("target@") for o in store.observations())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--no-repeat-ngram", "2"]])
 def test_bench_engine_quick_matches_transformers_token_for_token(tmp_path, options):
     """Also with generate()'s no_repeat_ngram_size against the engine given its processor class."""
@@ -210,6 +216,7 @@ def test_bench_lossless_passes_a_lossless_engine_and_fails_a_lossy_one(tmp_path,
     assert max(d["float32_gap"] for d in divergences) > 0.5  # a real preference overruled, not a tie
 
 
+@pytest.mark.slow
 def test_bench_arms_and_controller_end_to_end_on_tiny_models(small_store, classes, tmp_path):
     from autotune.bench import bench_arms, bench_controller
 
@@ -283,6 +290,7 @@ def test_bench_replay_scores_every_arm_of_every_class(small_store, classes):
     assert 0 <= result["mean_abs_error"] <= result["max_abs_error"]
 
 
+@pytest.mark.slow
 def test_bench_rewards_prices_each_arms_requests_by_calibration_and_by_learned_costs(target, draft_model, classes):
     from autotune.bench import bench_reward_scale
 
@@ -362,6 +370,7 @@ def test_bench_chunked_serves_long_joins_and_clients_alike_chunked_or_in_one_go(
     assert clients["identical_outputs"] is True and set(clients["cases"]) == {"in one go", "8 tokens"}
 
 
+@pytest.mark.slow
 def test_bench_long_batch_serves_alike_with_holes_dropped_or_kept(small_store, classes):
     from autotune.bench import bench_long_batch
 
@@ -374,6 +383,7 @@ def test_bench_long_batch_serves_alike_with_holes_dropped_or_kept(small_store, c
         assert arm["most_slots"]["compacted"] < arm["most_slots"]["holes kept"]
 
 
+@pytest.mark.slow
 def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):
     from autotune.bench import bench_concurrency
 
@@ -390,6 +400,7 @@ def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(sm
     assert all(c["queue_s_p50"] < c["ttft_s_p50"] and c["queue_s_p99"] > 0 for c in configs.values())
 
 
+@pytest.mark.slow
 def test_bench_prefix_serves_alike_from_kept_prefixes_or_whole_prompts(target, draft_model, classes):
     from autotune.bench import bench_prefix, bench_prefix_clients
 
@@ -452,6 +463,7 @@ def test_bench_serves_client_process_answers_a_failed_client_with_its_error():
     assert isinstance(answer, RuntimeError) and "2 of 2 clients failed" in str(answer) and "refused" in str(answer)
 
 
+@pytest.mark.slow
 def test_many_classes_bench_serves_every_request_on_every_configuration(small_store, classes, tmp_path):
     from autotune.bench import bench_many_classes
     from autotune.bench.tenants import tenant_classes
@@ -503,6 +515,7 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
     assert other["oracle_vs_best_static"] == pytest.approx(2.5 / 1.6, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_among_held_connections():
     from autotune.bench import bench_hostile
 

@@ -13,6 +13,7 @@ from autotune.train.head_training import HeadSpec, train_head
 from autotune.train.zoo import DEFAULT_FAMILY_DIR, FamilySpec, domain_texts, load_engine, train_drafter
 
 
+@pytest.mark.slow
 def test_a_domain_that_needs_the_shared_corpora_is_refused_by_name_without_them():
     with pytest.raises(ValueError, match="shared corpora"):
         domain_texts("prose", FamilySpec(), corpora=None)
@@ -20,6 +21,7 @@ def test_a_domain_that_needs_the_shared_corpora_is_refused_by_name_without_them(
         domain_texts("poetry", FamilySpec(), corpora=None)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shared_corpora_dir() is None, reason="../shared/corpora absent")
 def test_prose_training_text_holds_none_of_the_prompts_the_prose_classes_draw():
     from autotune.data.classes import builtin_classes
@@ -35,6 +37,7 @@ def test_prose_training_text_holds_none_of_the_prompts_the_prose_classes_draw():
     assert len(cores) >= 4 * 60 and not [c for c in cores if c in training]
 
 
+@pytest.mark.slow
 def test_a_drafter_and_a_head_trained_on_a_domain_join_the_family_and_decode_losslessly(tmp_path, monkeypatch):
     folder = tmp_path / "family"
     shutil.copytree(DEFAULT_FAMILY_DIR, folder)

@@ -1,20 +1,11 @@
 """The online controller: per request, pick an arm for its class and load, serve it, measure, learn.
 
-One request's path, all in this file: `generate` -> `_serve` (alone, or a static batch) ->
-`decide` (the policy's arm; OFF where it must be) -> the engine -> `_learn` (its reward from
-rewards.py, the replayed estimates of the arms not played from counterfactual.py) ->
-`policy.update` -> `_record` in the store. Requests from concurrent threads are coalesced
-(coalesce.py) and served as a continuous batch (continuous.py), which decides again every
-`decide_every` rounds and learns each stretch of rounds through `learn_segment`.
-
-Requests also score every other arm by replaying the output (exact when greedy, in expectation
-when sampled): a key's first request, then only within a small share of the serving time (a
-replay costs a teacher-forced forward per model, plus one of the target when sampled, so
-replaying every request would cost more than it teaches once the class has settled; a new class
-already starts from what the other classes learned). Every update the policy learns from is
-journaled in the store with the observations (learning.py), checkpointed every `save_every`
-updates and on close, and folded again on start, so a restarted controller, even one killed,
-resumes without re-exploring, and controllers sharing a store add up what they learn.
+One request's path: `generate` -> `_serve` (alone, or a static batch) -> `decide` (the policy's
+arm; OFF where it must be) -> the engine -> `_learn` (its reward from rewards/reward.py, the
+estimates of the arms not played from estimates.py) -> the learner (learner.py: the policy's
+update, journaled and saved) -> the observation in the store. Requests from concurrent threads
+are coalesced (coalesce.py) and served as a continuous batch (continuous.py), which decides again
+every `decide_every` rounds and learns each stretch of rounds through `learn_segment`.
 """
 
 from __future__ import annotations
@@ -34,14 +25,14 @@ from dataclasses import dataclass, field
 from autotune.control.classifier import RequestClassifier
 from autotune.control.coalesce import Batch, Coalescer
 from autotune.control.continuous import ContinuousBatch
+from autotune.control.estimates import OtherArms
 from autotune.control.learner import Learner
 from autotune.control.metrics import GpuMonitor, request_features
 from autotune.control.settings import ControllerSettings
 from autotune.rewards.costs import CostModel
-from autotune.rewards.replay import arm_rewards, draft_cost_owner, hybrid_estimates, served_features, verify_owners
+from autotune.rewards.replay import served_features, verify_owners
 from autotune.rewards.reward import RewardModel, cost_key, is_sampled
 from autotune.rewards.reward import calibrate as calibrate_costs
-from autotune.rewards.siblings import sibling_rewards
 from engine import (
     MAX_K,
     OFF,
@@ -71,9 +62,6 @@ DEFAULT_CLASS = "default"
 # The key of a coalesced batch whose requests are of several classes: one arm serves the whole
 # batch, so what it learns is the best arm for such a mix at that load, not for any one class.
 MIXED_CLASS = "(mixed)"
-# Rows of a batch a replay runs (`arm_rewards`' replay_rows): replaying every row costs about
-# what serving the batch did, and the rows live longest on the arm played make a batch last.
-BATCH_REPLAY_ROWS = 4
 MAX_CLASS_CHARS = 120  # a label, and "@load5+" after it, fit the store's 128-character key
 
 
@@ -202,26 +190,17 @@ class AutotuneController:
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, arms, **policy_kwargs)
         for arm in self.policy.arms:
             self._check_arm(arm)
-        self._ks: dict[str, list[int]] = {}  # drafter -> the K values among the policy's arms
-        for arm in self.policy.arms:
-            if not arm.is_off:
-                self._ks.setdefault(arm.drafter, []).append(arm.k)
-        # drafter -> whose draft costs by K price its other Ks (a hybrid's inner drafter, where the arms
-        # have it, so that calibration and requests measure its costs)
-        self._draft_cost_owner = {drafter: owner if (owner := draft_cost_owner(engine, drafter)) in self._ks
-                                  else drafter for drafter in self._ks}
         self.compile_report = engine.warm_up(self._reachable_arms())  # compiled engines: every graph, up front
         self.classifier = classifier
         self.rewards = RewardModel(min_baseline_steps=settings.min_baseline_steps,
                                    remeasure_off_every=settings.remeasure_off_every,
                                    verify_owners=verify_owners(engine))
-        self.replay_features = len(feature_heads(engine)) > 1 if settings.replay_features is None \
+        replay_features = len(feature_heads(engine)) > 1 if settings.replay_features is None \
             else settings.replay_features
-        self._served: dict[str, int] = {}  # key -> requests served (a batch counts each)
-        self._replay_share: dict[str, list[float]] = {}  # key -> [serving s, replay s] after learning, last replay s
         self.gpu = GpuMonitor()
         self.policy_lock = threading.Lock()
         self.engine_lock = threading.Lock()
+        self.others = OtherArms(engine, self.policy, settings, replay_features, self.policy_lock, self.engine_lock)
         self._dirty: set[str] = set()
         self.learner = Learner(self.policy, store, settings.save_every, self.policy_lock, self._snapshot)
         self.coalescer = Coalescer(self._serve_coalesced, settings.max_batch, settings.batch_wait_ms / 1e3) \
@@ -241,16 +220,16 @@ class AutotuneController:
             for record in engine.model_records:
                 store.register_model(**record)
             self.learner.resume()
-            self._served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
+            self.others.served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.rewards.load_state_dict(store.load_policy_states(COSTS_POLICY))
         if settings.calibrate and self.policy.learns:
             for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0)):
                 key = cost_key("1", not sampling.greedy)
                 stored = self.rewards.costs.get(key)
                 if stored is None:
-                    self.rewards.costs[key] = calibrate_costs(engine, self._ks, sampling, self.engine_lock)
+                    self.rewards.costs[key] = calibrate_costs(engine, self.others.ks, sampling, self.engine_lock)
                 elif not stored.relative_verify:  # a store from before costs were measured side by side
-                    measured = calibrate_costs(engine, self._ks, sampling, self.engine_lock)
+                    measured = calibrate_costs(engine, self.others.ks, sampling, self.engine_lock)
                     stored.relative_draft, stored.relative_verify = measured.relative_draft, measured.relative_verify
 
     def _reachable_arms(self) -> list[Arm]:
@@ -431,7 +410,7 @@ class AutotuneController:
                 served = results[0].metrics
                 # a replay of feature heads reads them rather than running the target again
                 features = served_features(self.engine.drafters[arm.drafter]) \
-                    if self.replay_features and not arm.is_off else None
+                    if self.others.replay_features and not arm.is_off else None
             else:
                 together = self.engine.generate_batch([r.ids for r in requests], arm,
                                                       [r.max_new_tokens for r in requests],
@@ -537,88 +516,11 @@ class AutotuneController:
                features: Features | None = None) -> dict[str, float]:
         """Teach the policy this request's (or batch's) reward, with the estimated rewards of the
         arms not played; those estimates. `features`: what a feature head was handed serving it."""
-        others = self._other_arms(context, arm, reward, schedule, requests, results, served, costs, features)
+        others = self.others.estimate(context, arm, reward, schedule, requests, results, served, costs, features)
         with self.policy_lock:
             self._update(context, arm,
                          Outcome(served.tokens_per_s, reward, served.acceptance, served.new_tokens, others))
         return {name: estimate for name, (estimate, _) in others.items()}
-
-    def _other_arms(self, context: Context, arm: Arm, reward: float, schedule, requests: list[PendingRequest],
-                    results: list[GenerationResult], served: GenerationMetrics, costs: CostModel,
-                    features: Features | None) -> dict:
-        """Estimated rewards of the arms not played: {arm: (reward, weight)} for the policy."""
-        if schedule is not None or any(r.fell_back for r in results) or not self.policy.learns:
-            return {}
-        served = served.without_probes()  # the arm's own rounds
-        key = context.key
-        with self.policy_lock:
-            before = self._served.get(key, 0)
-            self._served[key] = before + len(results)
-            # This request's own OFF step, as its reward's: the target's steps slow down with the
-            # context (long prompts) and the machine's moment.
-            off_step = costs.off_step_during(served, arm.drafter) or costs.off_step()
-            learning = before < self.settings.counterfactual_requests
-            share = self._replay_share.setdefault(key, [0.0, 0.0, 0.0])
-            if not learning:
-                share[0] += served.total_s
-            replay = learning or share[1] + share[2] <= self.settings.counterfactual_budget * share[0]
-            if replay:  # other threads' requests go on adding to the costs while this one replays
-                costs = copy.deepcopy(costs)
-                worth = self._worth_replaying(context, learning)
-        if replay and off_step is not None:
-            # A batch lasts as long as its slowest rows: those live longest on the arm played go first
-            order = sorted(range(len(results)), key=lambda i: -results[i].metrics.rounds)
-            served_requests = [(requests[i].ids, results[i].tokens, requests[i].max_new_tokens) for i in order]
-            started = time.perf_counter()
-            with self.engine_lock:
-                estimates = arm_rewards(self.engine, worth, costs, served_requests,
-                                        served.prefill_s - served.draft_prefill_s, off_step,
-                                        [requests[i].sampling for i in order], features, BATCH_REPLAY_ROWS)
-            with self.policy_lock:
-                share[2] = time.perf_counter() - started
-                if not learning:
-                    share[1] += share[2]
-            estimates.pop(str(arm), None)  # the arm played has its measured reward
-            replayed = {a: (r, self.settings.counterfactual_weight) for a, r in estimates.items()}
-        else:
-            replayed = {}
-        # The played drafter's other Ks from its acceptance per position: all a drafter the replay
-        # cannot run (layer skip; feature heads unless `replay_features`), or any drafter between
-        # replays, has to tell about them; left out while replaying, each of its Ks was played
-        # once to be known, K=1 too, on a new controller's requests.
-        return self._siblings(served, arm, reward, costs) | self._hybrids(served, arm, reward, costs, requests,
-                                                                          results) | replayed
-
-    def _worth_replaying(self, context: Context, learning: bool) -> list[Arm]:
-        """The arms to replay: those the policy finds worth it, feature heads only with
-        `replay_features`, and then, on a key's first request, every head's arm. What the other
-        classes measured of a head comes from their text: after code classes had priced the prose
-        head, a prose class that came later would neither replay nor play it, although it is
-        their fastest arm."""
-        def from_features(arm: Arm) -> bool:  # a head, or a hybrid around one
-            return not arm.is_off and capabilities(self.engine.drafters[arm.drafter]).features
-
-        worth = [a for a in self.policy.worth_replaying(context) if self.replay_features or not from_features(a)]
-        if learning and self.replay_features:
-            worth += [a for a in self.policy.arms if from_features(a) and a not in worth]
-        return worth
-
-    def _siblings(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel) -> dict:
-        """The played drafter's other Ks, estimated from this request's rounds (`sibling_rewards`)."""
-        owner = self._draft_cost_owner.get(arm.drafter, arm.drafter)
-        return sibling_rewards(metrics, arm, reward, self._ks.get(arm.drafter, ()),
-                               functools.partial(costs.draft_cost, owner),
-                               functools.partial(costs.verify_cost, drafter=arm.drafter))
-
-    def _hybrids(self, metrics: GenerationMetrics, arm: Arm, reward: float, costs: CostModel,
-                 requests: list[PendingRequest], results: list[GenerationResult]) -> dict:
-        """The hybrids of the played drafter (a lookup chained before it), estimated from one greedy
-        request's output and rounds (`hybrid_estimates`); sampled requests and batches tell nothing."""
-        if len(requests) != 1 or not requests[0].sampling.greedy:
-            return {}
-        request = requests[0]
-        return hybrid_estimates(self.engine, arm, metrics, reward, request.ids, results[0].tokens,
-                                request.max_new_tokens, costs, self._ks)
 
     def learn_segment(self, arm: Arm, context: Context, done: GenerationMetrics, committed: int, row_rounds: int,
                       fell_back: bool) -> None:
@@ -636,7 +538,7 @@ class AutotuneController:
             if reward is None:
                 return
             costs = self.rewards.costs_for(context.load, is_sampled(context))
-            siblings = self._siblings(done, arm, reward, costs)
+            siblings = self.others.siblings(done, arm, reward, costs)
             self._update(context, arm, Outcome(gain * row_rounds / taken if taken > 0 else 0.0, reward,
                                                done.acceptance, done.new_tokens, siblings))
 
@@ -667,7 +569,7 @@ class AutotuneController:
         keys = sorted(self._dirty)
         self._dirty.clear()
         return copy.deepcopy({
-            SERVED_POLICY: {key: {"served": self._served[key]} for key in keys if key in self._served},
+            SERVED_POLICY: {key: {"served": self.others.served[key]} for key in keys if key in self.others.served},
             COSTS_POLICY: self.rewards.state_dict(),
         })
 
