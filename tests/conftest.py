@@ -6,6 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread a worker process: the tiny models' ops gain nothing from a second, and two workers
+    # each spinning two threads would oversubscribe the cores.
+    torch.set_num_threads(1)
+
 
 def tiny_llama(seed: int, layers: int = 2, vocab: int = 64, hidden: int = 64, context: int = 256):
     torch.manual_seed(seed)

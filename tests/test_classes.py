@@ -1,11 +1,13 @@
 """Request prompts meet the model family the way its training text did."""
 
+import pytest
 from transformers import AutoTokenizer
 
 from autotune.data.classes import builtin_classes, edit_example, stdlib_functions
 from autotune.train.zoo import DEFAULT_FAMILY_DIR
 
 
+@pytest.mark.slow
 def test_edit_prompts_end_on_a_token_boundary_of_the_text_the_family_trained_on():
     """The tokens of a prompt must be a prefix of the tokens of prompt + expected output, as in
     training; a prompt ending in a bare line break breaks this (BPE merges the break with the

@@ -276,14 +276,14 @@ def test_with_heads_for_different_domains_a_keys_first_request_replays_every_hea
 
     code, prose = feature_head(target, seed=0), feature_head(target, seed=1)
     one = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": code})
-    assert not AutotuneController(one, policy="ucb").replay_features
+    assert not AutotuneController(one, policy="ucb").others.replay_features
     two = SpeculativeEngine(target, {"ngram": NGramDrafter(), "feature": code, "feature-prose": prose,
                                      "ngram+feature-prose": HybridDrafter(prose)})
     arms = [OFF, Arm("ngram", 2), *(Arm(d, k) for d in ("feature", "feature-prose", "ngram+feature-prose")
                                     for k in (2, 4))]
     policy = PlaysAndReplaysOff(arms, Arm("feature", 2))
     ctl = AutotuneController(two, policy=policy, min_baseline_steps=4, counterfactual_budget=0.0)
-    assert ctl.replay_features
+    assert ctl.others.replay_features
     ctl.generate(PROMPTS[0], "prose", max_new_tokens=24)
     ctl.generate(PROMPTS[1], "prose", max_new_tokens=24)
     first, second = policy.told

@@ -71,6 +71,7 @@ def test_replaying_a_batch_predicts_its_rounds_and_draft_steps_exactly(engine):
         assert sum(k > 0 for k in rounds) == served.draft_rounds, arm
 
 
+@pytest.mark.slow
 def test_a_sampled_replay_predicts_rounds_in_expectation(engine):
     # Acceptance probabilities are taken along the output sampled, not along each arm's drafts:
     # over 24 requests the predicted rounds land within a few % of the real ones (1-2 % measured).

@@ -126,6 +126,7 @@ def test_killed_at_random_points_a_controller_loses_no_update_it_journaled(store
         assert same_learning(learned_states(store, "ucb"), state)
 
 
+@pytest.mark.slow
 def test_four_controllers_on_one_store_add_up_their_evidence(store_url):
     """4 learners x 150 updates at once: the resumed state counts all 600 (each key's pulls the
     journal's), and while they ran they learned from each other (the last to finish had folded

@@ -447,6 +447,7 @@ def test_autotune_serve_serves_a_local_model_folder_until_stopped_and_saves_what
     assert [(o["request_class"], o["new_tokens"]) for o in observations] == [("code", 8), ("docs", 4), ("tenant-3", 4)]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_bench_serve_gets_the_same_greedy_texts_over_http_as_in_process(served):
     from autotune.bench import bench_serve

@@ -383,6 +383,7 @@ def test_bench_long_batch_serves_alike_with_holes_dropped_or_kept(small_store, c
         assert arm["most_slots"]["compacted"] < arm["most_slots"]["holes kept"]
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_bench_concurrency_coalesces_waiting_clients_without_changing_outputs(small_store, classes):
     from autotune.bench import bench_concurrency
@@ -515,6 +516,7 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
     assert other["oracle_vs_best_static"] == pytest.approx(2.5 / 1.6, abs=1e-3)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_bench_hostile_refuses_huge_bodies_unread_and_serves_normal_requests_among_held_connections():
     from autotune.bench import bench_hostile
