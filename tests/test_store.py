@@ -346,6 +346,7 @@ def test_a_full_disk_is_a_store_error_and_loses_nothing_written_before(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # under other load the two studies' first trials race (Optuna: "Cannot tell a COMPLETE trial")
 def test_two_tune_processes_add_their_trials_to_one_study(store_url, tmp_path):
     """`autotune tune` twice at once on one store: both finish, and the class's study holds both
     processes' trials (Optuna's RDB storage in the store's database)."""

@@ -15,7 +15,7 @@ from engine import Arm, SamplingParams, SpeculativeEngine
 
 def bench_replay(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
                  prompts_per_class: int = 6, progress=print) -> dict:
-    """How well replaying one request (counterfactual.py) predicts every arm's reward.
+    """How well replaying one request (autotune/rewards/replay.py) predicts every arm's reward.
 
     Every prompt is served on every arm, arms taking turns; each arm's measured reward is the
     controller's (the OFF time of this request's output over the time taken). The estimate is

@@ -52,7 +52,7 @@ class CostModel:
     Rewards and replays price rounds in OFF steps, and a ratio of two medians taken at different
     moments is as wrong as the machine's speed moved between them. So the costs in OFF steps are
     taken side by side: OFF and each drafter on the same prompt within seconds
-    (`rewards.calibrate`), then OFF steps served among a request's own rounds (`probe_off`: the
+    (`reward.calibrate`), then OFF steps served among a request's own rounds (`probe_off`: the
     machine's step moves within tenths of a second). Requests without such steps never move them;
     without any (a load no calibration ran at, an older store) the ratio of the medians stands in.
     """
