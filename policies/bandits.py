@@ -149,9 +149,10 @@ class LoadTotals:
 
     A decision needs the other keys' evidence at its load: it subtracts its own key from these.
     They are kept up to date as keys change (an update takes its key's sums out and puts the
-    new ones in, O(arms)), and summed afresh once as many updates as there are keys have gone
-    by, so rounding cannot pile up. Summed afresh at every update, they would cost O(keys x arms)
-    on every request's path.
+    new ones in, O(arms)), and summed afresh once as many updates as there were keys at the
+    last fit have gone by, so rounding cannot pile up, and a stream of new keys (each one
+    update old) does not go on being seeded from a fit of the first few. Summed afresh at every
+    update, they would cost O(keys x arms) on every request's path.
     """
 
     def __init__(self, tables: list[ArmTable], arms: list[str]) -> None:
@@ -159,6 +160,7 @@ class LoadTotals:
         self.s = {a: sum(t.rows[a][1] for t in tables) for a in arms}
         self.variance = sum(t.pooled_variance() for t in tables)
         self.keys = len(tables)
+        self.fitted_keys = len(tables)  # the keys behind `effects`
         self.changes = 0  # updates taken in since summed afresh
         # Fitted when summed afresh only: O(keys x arms) each time, O(arms) an update on average.
         self.effects, self.mean_level = fit_levels(tables)
@@ -170,12 +172,14 @@ class LoadTotals:
         """The fit and how far it is from the next one: with the keys, what the shared evidence in
         the next decisions depends on."""
         return {"effects": self.effects, "mean_level": self.mean_level, "changes": self.changes,
+                "fitted_keys": self.fitted_keys,
                 "carried_fits": self.carried_fits}
 
     def restore_fit(self, saved: dict) -> None:
         self.effects = {arm: float(v) for arm, v in saved.get("effects", {}).items()}
         self.mean_level = float(saved.get("mean_level", 0.0))
         self.changes = int(saved.get("changes", 0))
+        self.fitted_keys = int(saved.get("fitted_keys", self.keys))
         self.carried_fits = {load: ({arm: float(v) for arm, v in effects.items()}, float(mean_level))
                              for load, (effects, mean_level) in saved.get("carried_fits", {}).items()}
 
@@ -499,7 +503,7 @@ class BanditPolicy(Policy):
         table.update(str(arm), outcome.reward, self.discount, outcome.siblings)
         totals.add(table)
         totals.changes += 1
-        if totals.changes >= totals.keys:
+        if totals.changes >= max(1, totals.fitted_keys):
             del self._totals[load]  # summed afresh (`_load_totals`)
         if self.safety is not None:
             # OFF is the baseline: it earns exactly `safety`, whatever noise its own timing had.

@@ -784,6 +784,15 @@ def test_continuous_segments_are_learned_only_once_off_segments_priced_their_rou
     assert [str(ctl.decide(Context("code", load, {}), segments=True)[1]) for load in (10, 3)] == ["small:2", "small:2"]
 
 
+def test_off_is_measured_again_by_a_few_rounds_inside_a_request_not_by_serving_one_off(engine):
+    """`remeasure_off_every` requests without an OFF step would send the next to OFF; the one
+    before runs OFF rounds among its own instead, so the policy's arm serves every request."""
+    ctl = AutotuneController(engine, policy=ReplayRecorder([OFF, Arm("small", 2)]), remeasure_off_every=3)
+    results = [ctl.generate(PROMPTS[i % len(PROMPTS)], "code", max_new_tokens=16) for i in range(7)]
+    assert [str(r.arm) for r in results] == ["small:2"] * 7
+    assert [r.metrics.probe_rounds > 0 for r in results] == [False, False, True] * 2 + [False]
+
+
 def test_a_drafters_first_requests_then_one_in_a_few_measure_off_among_their_rounds(engine, monkeypatch):
     """Each such request prices its drafter's verifies in OFF steps measured beside them, and is
     rewarded for the arm's own rounds: its OFF rounds neither count against the arm nor for it."""

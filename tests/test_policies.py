@@ -227,6 +227,21 @@ def test_a_new_class_serves_its_first_request_on_the_arm_most_likely_to_win(name
     assert str(policy.choose(Context("new"))) == "small:8"
 
 
+@pytest.mark.parametrize("name", ["ucb", "thompson"])
+def test_a_stream_of_new_classes_is_seeded_from_every_class_before_it_not_the_first(name):
+    """Many tenants, each met once before the next: the first class's one request favoured
+    small:2; every later one measured small:8 far faster. A new class then starts on small:8,
+    though every update so far was a new key's first (the shared fit must follow them)."""
+    policy = make_policy(name, [OFF, *ARMS])
+    first = {"small:1": (1.1, 1.0), "small:2": (1.3, 1.0), "small:8": (1.1, 1.0), "ngram:3": (1.0, 1.0)}
+    policy.update(Context("tenant-0"), Arm.parse("small:4"), Outcome(goodput=100, reward=1.2, siblings=first))
+    later = {"small:1": (1.1, 1.0), "small:2": (1.2, 1.0), "small:8": (2.2, 1.0), "ngram:3": (1.0, 1.0)}
+    for i in range(1, 6):
+        policy.choose(Context(f"tenant-{i}"))
+        policy.update(Context(f"tenant-{i}"), Arm.parse("small:4"), Outcome(goodput=100, reward=1.6, siblings=later))
+    assert str(policy.choose(Context("tenant-new"))) == "small:8"
+
+
 @pytest.mark.parametrize("name", ["thompson", "contextual"])
 def test_thompson_serves_the_arm_its_evidence_favours_among_many_arms_with_little_evidence(name):
     """A class's third request on the many-classes bench: 40 arms, each replayed twice (the

@@ -66,6 +66,27 @@ def test_tuning_is_resumable_and_seeds_the_online_policy(small_store, classes):
     assert {a for a, row in table.rows.items() if row[0] > 0} == set(priors["rep"])
 
 
+def test_tuning_by_replay_leaves_a_policy_that_serving_resumes_without_replaying_again(target, draft_model, classes,
+                                                                                         tmp_path, monkeypatch):
+    from autotune.control import estimates
+    from autotune.train.tune import tune_by_replay
+
+    replays = []
+    replay = estimates.arm_rewards
+    monkeypatch.setattr(estimates, "arm_rewards", lambda *a, **kw: (replays.append(1), replay(*a, **kw))[1])
+    engine = SpeculativeEngine(target, {"small": draft_model, "ngram": NGramDrafter()})
+    url = f"sqlite:///{tmp_path / 'tuned.db'}"
+    with Store(url) as store:
+        assert tune_by_replay(engine, store, classes, "ucb", prompts=2) == 4
+    assert len(replays) == 4  # every offline request replayed
+    with Store(url) as store, AutotuneController(engine, store, policy="ucb") as ctl:
+        assert {"rep@load1", "mixed@load1"} <= set(ctl.policy.tables)
+        assert ctl.policy.tables["rep@load1"].pulls == 2
+        for prompt in classes["rep"].prompts[2:5]:
+            ctl.generate(prompt, "rep", 10)
+    assert len(replays) == 4  # served from what was learned, with no replay of its own
+
+
 @pytest.mark.slow
 def test_a_skip_set_search_per_class_adds_its_best_sets_as_arms_and_seeds_them(classes, tmp_path):
     """SWIFT's search offline: one yes/no per skippable layer and K; OFF (nothing skipped) first."""
@@ -381,6 +402,27 @@ def test_bench_long_batch_serves_alike_with_holes_dropped_or_kept(small_store, c
     for arm in result["arms"].values():
         assert arm["rounds"]["compacted"] == arm["rounds"]["holes kept"] > 30
         assert arm["most_slots"]["compacted"] < arm["most_slots"]["holes kept"]
+
+
+def test_the_gap_to_the_oracle_splits_into_overhead_exploration_and_convergence():
+    from autotune.bench.tenants import where_the_loss_goes
+
+    def row(arm, engine_s, overhead_s=0.0):
+        return {"class": "x", "arm": arm, "tokens": 10, "engine_s": engine_s, "seconds": engine_s + overhead_s,
+                "overhead_s": overhead_s}
+
+    # The oracle's arm a takes 1 s a request. The policy explored b (3 s, with 1 s of replays),
+    # then kept c (1.5 s): 2 s of exploration, 1 s of convergence, 1 s of overhead in 7 s.
+    log = {"a": [row("a", 1.0)] * 3, "ucb": [row("b", 3.0, 1.0), row("c", 1.5), row("c", 1.5)]}
+    by_class = {name: {"x": rows} for name, rows in log.items()}
+    loss = where_the_loss_goes(log, "ucb", by_class, {"x": "a"})
+    assert loss["overhead"] == pytest.approx(1 / 7, abs=1e-4)
+    assert loss["exploration"] == pytest.approx(2 / 7, abs=1e-4)
+    assert loss["convergence"] == pytest.approx(1 / 7, abs=1e-4)
+    assert loss["gap_to_oracle"] == pytest.approx(4 / 7, abs=1e-4)
+    assert loss["overhead_after_10_requests"] is None  # no class served more than 10
+    assert loss["per_class"]["x"] == {"kept": "c", "oracle": "a", "explored": 1, "requests": 3,
+                                      "ratio_vs_oracle": round(3 / 7, 3)}
 
 
 @pytest.mark.serial

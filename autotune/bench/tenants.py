@@ -23,6 +23,7 @@ from pathlib import Path
 from autotune.bench.common import device_name, p99, rotate
 from autotune.control.controller import AutotuneController, default_arms
 from autotune.data.classes import Request, RequestClass
+from autotune.train.tune import tune_by_replay
 from engine import SpeculativeEngine
 from engine.arms import OFF, Arm
 from engine.drafters import capabilities, lookup_of, model_drafter_of
@@ -50,7 +51,8 @@ def tenant_stream(classes: dict[str, RequestClass], per_class: int, seed: int = 
     """`per_class` requests of every class, other prompts each, in a shuffled order."""
     rng = random.Random(seed)
     requests = [Request(name, prompt, cls.temperature, cls.top_p, cls.max_new_tokens, rng.randrange(2**31))
-                for name, cls in classes.items() for prompt in rng.sample(cls.prompts, per_class)]
+                for name, cls in classes.items()
+                for prompt in rng.sample(cls.prompts, min(per_class, len(cls.prompts)))]
     rng.shuffle(requests)
     return requests
 
@@ -76,27 +78,37 @@ def _goodput(rows: list[dict]) -> float:
 
 def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClass], out_dir: Path,
                        per_class: int = 8, policies=("ucb", "contextual"), statics=STATIC_ARMS,
-                       seed: int = 0, chosen: dict | None = None, noise=None, progress=print) -> dict:
+                       seed: int = 0, chosen: dict | None = None, warm_start: int | None = None, noise=None,
+                       progress=print) -> dict:
     """`chosen`: the static best arm and oracle arms of another run (its JSON), measured here
     instead of picked in hindsight: on a noisy machine the best of seven arms over eight
     requests is partly the luckiest, which inflates the oracle a hindsight pick measures
     (1.12x the best static arm against 1.04x quiet). `noise`: injected delays
     (`autotune.bench.noise.InjectedDelays`), restarted before each configuration serves a
-    request so that all of them meet the same bursts on it."""
+    request so that all of them meet the same bursts on it. `warm_start`: each policy also serves
+    as "<policy>-warm", its store first tuned offline (`tune_by_replay`) on at most this many
+    prompts a class that the stream does not serve."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = default_arms(engine)
     statics = [s for s in statics if Arm.parse(s).is_off or Arm.parse(s).drafter in engine.drafters]
+    stream = tenant_stream(classes, per_class, seed)
     controllers = {}
     for name in policies:
-        path = out_dir / f"tenants-{name}.db"
-        for stale in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-            stale.unlink(missing_ok=True)  # a previous run's store would resume what it learned
-        controllers[name] = AutotuneController(engine, Store(f"sqlite:///{path}", label=f"tenants {name}"),
-                                               policy=make_policy(name, arms))
+        controllers[name] = AutotuneController(engine, _fresh_store(out_dir, name), policy=make_policy(name, arms))
+    if warm_start:
+        served = {r.prompt for r in stream}
+        sample = {c: replace(cls, prompts=tuple(p for p in cls.prompts if p not in served)[:warm_start])
+                  for c, cls in classes.items()}
+        sample = {c: cls for c, cls in sample.items() if cls.prompts}
+        for name in policies:
+            store = _fresh_store(out_dir, f"{name}-warm")
+            progress(f"{name}-warm: tuning offline on {sum(len(c.prompts) for c in sample.values())} other prompts")
+            tune_by_replay(engine, store, sample, name, warm_start)
+            controllers[f"{name}-warm"] = AutotuneController(engine, store, policy=make_policy(name, arms))
+        policies = [*policies, *(f"{name}-warm" for name in policies)]
     for arm in statics:
         controllers[arm] = AutotuneController(engine, policy="static", arms=[OFF, Arm.parse(arm)], arm=arm)
-    stream = tenant_stream(classes, per_class, seed)
     progress(f"{len(classes)} classes x {per_class} requests, each served by {len(controllers)} configurations")
     log = {name: [] for name in controllers}
     for i, req in enumerate(stream):
@@ -120,6 +132,13 @@ def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClas
             ctl.store.close()
     (out_dir / "tenants-log.json").write_text(json.dumps(log))  # every configuration's row per request
     return summarize(engine, log, list(policies), statics, classes, per_class, chosen)
+
+
+def _fresh_store(out_dir: Path, name: str) -> Store:
+    path = out_dir / f"tenants-{name}.db"
+    for stale in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        stale.unlink(missing_ok=True)  # a previous run's store would resume what it learned
+    return Store(f"sqlite:///{path}", label=f"tenants {name}")
 
 
 def summarize(engine: SpeculativeEngine, log: dict[str, list[dict]], policies: list[str], statics: list[str],
@@ -160,9 +179,38 @@ def summarize(engine: SpeculativeEngine, log: dict[str, list[dict]], policies: l
             "rewards_above_bound": sum(r["reward"] > r["bound"] * (1 + 1e-9) for r in rows),
             "rewards": len(rows),
             "arms_played": dict(sorted(_count(r["arm"] for r in rows).items(), key=lambda kv: -kv[1])),
+            "loss": where_the_loss_goes(log, p, by_class, oracle_arms),
             "reward_calibration": calibration(engine, log, p, statics),
         }
     return result
+
+
+def where_the_loss_goes(log: dict[str, list[dict]], policy: str, by_class: dict, oracle_arms: dict) -> dict:
+    """The policy's seconds beyond the per-class oracle's on the same requests, as shares of the
+    policy's seconds: `overhead` (deciding, replays, the update, saves), `exploration` (requests
+    served on an arm other than the one the class kept at its end, against the oracle's arm on
+    the same request), `convergence` (requests served on the arm kept, against the oracle's arm:
+    the cost of keeping the wrong one). Per class: the arm kept, the oracle's, and the class's
+    ratio to the oracle. Timing noise lands in the last two; the OFF control measures it."""
+    total = sum(r["seconds"] for r in log[policy])
+    oracle_seconds = sum(r["seconds"] for c in by_class[policy] for r in by_class[oracle_arms[c]][c])
+    shares = {"overhead": 0.0, "exploration": 0.0, "convergence": 0.0}
+    per_class = {}
+    for name, rows in by_class[policy].items():
+        kept = rows[-1]["arm"]
+        oracle_rows = by_class[oracle_arms[name]][name]
+        for row, best in zip(rows, oracle_rows, strict=True):
+            shares["overhead"] += row["overhead_s"]
+            shares["exploration" if row["arm"] != kept else "convergence"] += row["engine_s"] - best["engine_s"]
+        per_class[name] = {"kept": kept, "oracle": oracle_arms[name],
+                           "explored": sum(r["arm"] != kept for r in rows), "requests": len(rows),
+                           "ratio_vs_oracle": round(_goodput(rows) / _goodput(oracle_rows), 3)}
+    settled = [r for rows in by_class[policy].values() for r in rows[10:]]  # once a class served 10
+    return {**{k: round(v / total, 4) for k, v in shares.items()},
+            "overhead_after_10_requests": round(sum(r["overhead_s"] for r in settled)
+                                                / sum(r["seconds"] for r in settled), 4) if settled else None,
+            "gap_to_oracle": round(1 - oracle_seconds / total, 4),
+            "per_class": per_class}
 
 
 def _count(items) -> dict[str, int]:

@@ -258,16 +258,21 @@ def _bench_arms(args, engine, bench) -> dict:
 
 def _bench_controller(args, engine, bench) -> dict:
     """Policies against static arms and the per-class oracle: on many tenant classes
-    (`--many-classes`), or on the built-in classes against a ground truth of every arm."""
-    if args.many_classes:
-        from autotune.bench.tenants import tenant_classes
+    (`--many-classes`), on the classes of a requests file (`--requests-file`), or on the built-in
+    classes against a ground truth of every arm."""
+    if args.many_classes or args.requests_file:
+        from autotune.bench.tenants import STATIC_ARMS, tenant_classes
 
-        classes = tenant_classes(classes_of(args), 6 if args.quick else args.many_classes)
+        classes = classes_of(args)
+        if not args.requests_file:
+            classes = tenant_classes(classes, 6 if args.quick else args.many_classes)
         chosen = json.loads(Path(args.arms_from).read_text()) if args.arms_from else None
+        statics = ["off", *(a for a in args.arms.split(",") if a != "off")] if args.arms else STATIC_ARMS
         with _noise(args.noise, engine) as noise:
             result = bench.bench_many_classes(engine, classes, Path(args.out), 2 if args.quick else args.per_class or 8,
                                               policies=(args.policies or LEARNING_POLICIES).split(","),
-                                              chosen=chosen, noise=noise if args.noise == "delays" else None)
+                                              statics=statics, chosen=chosen, warm_start=args.warm_start,
+                                              noise=noise if args.noise == "delays" else None)
         result["noise"] = args.noise
         return result
     from autotune.data.classes import Workload
@@ -381,11 +386,16 @@ def register(sub, common) -> None:
                    help="bench engine: no method repeats an N-gram (the engine through a caller's logits processor)")
     p.add_argument("--arms", help="bench lossless: comma-separated arms (default: every drafter at K=4); bench"
                                   " arms: the arms to measure, DRAFTER:* for every K (default: every drafter, every K);"
-                                  " bench rewards: the arms priced (default: n-gram, model, feature and hybrid ones)")
+                                  " bench rewards: the arms priced (default: n-gram, model, feature and hybrid ones);"
+                                  " bench controller --many-classes or --requests-file: the static arms"
+                                  " served beside OFF")
     p.add_argument("--prompts", type=at_least(1), default=6, help="prompts (per class)")
     p.add_argument("--budget", type=at_least(1), default=16, help="bench layer-skip: skip-set trials per class")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
+    p.add_argument("--requests-file", metavar="JSONL",
+                   help="your own requests, one JSON object a line: class, prompt, and optionally"
+                        " temperature, top_p, max_new_tokens (the classes then come from it)")
     p.add_argument("--requests", type=at_least(1),
                    help="bench controller: stream length (default 160); longrun: requests served (default 320);"
                         " prefix: requests per case (default 24); hostile: distinct request classes (default 300)")
@@ -418,6 +428,9 @@ def register(sub, common) -> None:
     p.add_argument("--many-classes", type=at_least(2), metavar="N",
                    help="bench controller: N classes (the chosen ones, then sampled and short variants of them),"
                         " a few requests each, every request served by every configuration, counted from the first")
+    p.add_argument("--warm-start", type=at_least(1), metavar="N",
+                   help="bench controller: also serve with policies warm-started offline on N other prompts"
+                        " a class (policy name + '-warm')")
     p.add_argument("--per-class", type=at_least(1), help="bench controller --many-classes: requests per class"
                                                           " (default 8); bench backends: (default 50)")
     p.add_argument("--policies", help="bench controller --many-classes: policies compared (default"

@@ -32,8 +32,18 @@ def engine_from(args, drafters=None, prefix_cache_tokens: int = 0, compile_: boo
 
 
 def classes_of(args):
+    """The request classes a command serves: a requests file's (`--requests-file`), else the
+    built-in ones; `--classes` picks among them."""
     from autotune.data.classes import builtin_classes
 
+    if getattr(args, "requests_file", None):
+        from autotune.data.requests_file import read_requests
+
+        classes = read_requests(args.requests_file)
+        names = args.classes.split(",") if args.classes else list(classes)
+        if missing := [n for n in names if n not in classes]:
+            raise ValueError(f"unknown request class(es) {missing}; {args.requests_file} has: {sorted(classes)}")
+        return {n: classes[n] for n in names}
     classes = builtin_classes(include_shared=False)  # code, docs, edit, creative: the default
     if not args.classes:
         return classes

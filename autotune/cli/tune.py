@@ -12,6 +12,16 @@ def cmd_tune(args) -> None:
 
     engine = engine_from(args)
     classes = classes_of(args)
+    if args.method == "replay":
+        from autotune.train.tune import tune_by_replay
+
+        with Store(args.db, label="tune") as store:
+            served = tune_by_replay(engine, store, classes, args.policy, args.prompts)
+            print(f"{args.policy} learned from {served} requests of {len(classes)} classes in {store.url};"
+                  f" `autotune serve --db {store.url} --policy {args.policy}` resumes it")
+            emit({"store": store.url, "method": "replay", "policy": args.policy, "requests": served,
+                  "classes": list(classes)}, args.json)
+        return
     with Store(args.db, label="tune") as store:
         url = store.url
     result = {"store": url, "classes": {}}
@@ -38,9 +48,18 @@ def cmd_tune(args) -> None:
 def register(sub, common) -> None:
     p = common(sub.add_parser("tune", help="offline Optuna study per request class"))
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
+    p.add_argument("--requests-file", metavar="JSONL",
+                   help="your own requests, one JSON object a line: class, prompt, and optionally"
+                        " temperature, top_p, max_new_tokens (the classes then come from it)")
     p.add_argument("--budget", type=at_least(1), default=20, help="trials per class")
     p.add_argument("--minutes", type=at_least(0.01, float), help="time limit per class")
-    p.add_argument("--prompts", type=at_least(1), default=4, help="prompts per trial")
+    p.add_argument("--prompts", type=at_least(1), default=4,
+                   help="prompts per trial (--method replay: prompts per class)")
+    p.add_argument("--method", choices=["optuna", "replay"], default="optuna",
+                   help="optuna: a study per class, whose results seed the served policy; replay: serve"
+                        " --prompts prompts a class through the controller, each replayed on every arm that"
+                        " could be its class's best, into the store's policy, which `autotune serve` resumes")
+    p.add_argument("--policy", default="ucb", help="--method replay: the policy that learns (as served)")
     p.add_argument("--sampler", default="tpe", choices=["tpe", "random"])
     p.add_argument("--layer-skip", action="store_true",
                    help="also search which target layers to skip for self-speculation, per class")

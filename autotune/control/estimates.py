@@ -67,7 +67,11 @@ class OtherArms:
             # context (long prompts) and the machine's moment.
             off_step = costs.off_step_during(served, arm.drafter) or costs.off_step()
             learning = before < self.settings.counterfactual_requests
-            share = self._replay_share.setdefault(key, [0.0, 0.0, 0.0])
+            share = self._replay_share.get(key)
+            if share is None:  # a key past its learning requests when this process met it (resumed,
+                # or warm-started offline): a replay is taken to cost about a request until one has
+                # run, so that a restart does not replay every such key at once
+                share = self._replay_share[key] = [0.0, 0.0, 0.0 if learning else served.total_s]
             if not learning:
                 share[0] += served.total_s
             replay = learning or share[1] + share[2] <= self.settings.counterfactual_budget * share[0]

@@ -106,7 +106,8 @@ class RewardModel:
 
     A learning policy plays OFF at a load until `min_baseline_steps` OFF steps ran there (any
     class), and again once `remeasure_off_every` requests there measured no OFF step (neither
-    served OFF nor running OFF rounds among their own, `probes_for`): every reward and replay
+    served OFF nor running OFF rounds among their own, which `probes_for` asks of the request
+    before that one, so that alone it does not come to pass): every reward and replay
     is scaled by that step, and a policy that has left OFF would otherwise price them for good
     by OFF steps measured at another moment of the machine. A static batch needs
     neither: it measures OFF's step among its own rounds.
@@ -123,14 +124,18 @@ class RewardModel:
         """OFF rounds a request served alone, or a static batch, on `arm` should run among its own
         (`probe_off`): a batch BATCH_PROBE_ROUNDS; alone PROBE_ROUNDS on each of a drafter's first
         PROBE_FIRST requests at a load, then on one in PROBE_EVERY (none when both are 0, the
-        default); none on OFF."""
+        default), and on the request that would otherwise be the last before OFF's step must be
+        measured again (`knows_off`): a few OFF rounds cost far less than a whole request served
+        OFF; none on OFF."""
         if arm.is_off:
             return 0
         if context.load > 1:
             return BATCH_PROBE_ROUNDS
+        costs = self.costs_of(context)
+        if costs is not None and costs.since_off >= self.remeasure_off_every - 1:
+            return PROBE_ROUNDS
         if not (PROBE_FIRST or PROBE_EVERY):
             return 0
-        costs = self.costs_of(context)
         due = costs is None or costs.probes_due(arm.drafter, PROBE_FIRST, PROBE_EVERY)
         return PROBE_ROUNDS if due else 0
 

@@ -207,6 +207,27 @@ def seed_from_studies(controller, url: str) -> dict[str, dict[str, tuple[float, 
     return seeded
 
 
+def tune_by_replay(engine: SpeculativeEngine, store, classes: dict[str, RequestClass], policy: str = "ucb",
+                   prompts: int = 4) -> int:
+    """Serve `prompts` prompts of each class (the classes in turn) through a controller on `store`
+    that replays, on every one, each arm that could still be its class's best, so that the store
+    holds a policy an online controller on it resumes from its first request. Returns the
+    requests served."""
+    from autotune.control.controller import AutotuneController
+
+    controller = AutotuneController(engine, store, policy=policy, counterfactual_requests=prompts)
+    served = 0
+    try:
+        for i in range(prompts):
+            for name, cls in classes.items():
+                if i < len(cls.prompts):
+                    controller.generate(cls.prompts[i], name, cls.max_new_tokens, cls.temperature, cls.top_p, seed=i)
+                    served += 1
+    finally:
+        controller.close()
+    return served
+
+
 def add_tuned_skip_sets(engine: SpeculativeEngine, url: str, per_class: int = 2) -> list[str]:
     """Add to `engine` the `per_class` best skip sets of each class's skip-set study in the store
     at `url` (each at its best K among the trials), so the controller can choose among them;
