@@ -405,7 +405,7 @@ def test_bench_long_batch_serves_alike_with_holes_dropped_or_kept(small_store, c
 
 
 def test_the_gap_to_the_oracle_splits_into_overhead_exploration_and_convergence():
-    from autotune.bench.tenants import where_the_loss_goes
+    from autotune.bench.tenants import paired_interval, where_the_loss_goes
 
     def row(arm, engine_s, overhead_s=0.0):
         return {"class": "x", "arm": arm, "tokens": 10, "engine_s": engine_s, "seconds": engine_s + overhead_s,
@@ -421,6 +421,9 @@ def test_the_gap_to_the_oracle_splits_into_overhead_exploration_and_convergence(
     assert loss["convergence"] == pytest.approx(1 / 7, abs=1e-4)
     assert loss["gap_to_oracle"] == pytest.approx(4 / 7, abs=1e-4)
     assert loss["overhead_after_10_requests"] is None  # no class served more than 10
+    low, high = paired_interval(log["ucb"], log["a"])
+    assert low <= 3 / 7 <= high and high < 1.0  # slower on every request: the whole interval below 1
+    assert paired_interval(log["a"], log["a"]) == [1.0, 1.0]
     assert loss["per_class"]["x"] == {"kept": "c", "oracle": "a", "explored": 1, "requests": 3,
                                       "ratio_vs_oracle": round(3 / 7, 3)}
 

@@ -20,6 +20,9 @@ from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+import scipy.stats
+
 from autotune.bench.common import device_name, p99, rotate
 from autotune.control.controller import AutotuneController, default_arms
 from autotune.data.classes import Request, RequestClass
@@ -170,6 +173,7 @@ def summarize(engine: SpeculativeEngine, log: dict[str, list[dict]], policies: l
         goodput = _goodput(rows)
         result["policies"][p] = {
             "ratio_vs_best_static": round(goodput / best, 3),
+            "ratio_vs_best_static_interval_95": paired_interval(rows, log[static_best]),
             "ratio_vs_oracle": round(goodput / oracle, 3),
             "ratio_vs_off": round(goodput / off, 3),
             "worst_class_ratio_vs_off": round(min(_goodput(by_class[p][c]) / _goodput(by_class["off"][c])
@@ -183,6 +187,23 @@ def summarize(engine: SpeculativeEngine, log: dict[str, list[dict]], policies: l
             "reward_calibration": calibration(engine, log, p, statics),
         }
     return result
+
+
+def paired_interval(rows: list[dict], other: list[dict]) -> list[float] | None:
+    """The 95 % interval of `rows`' goodput over `other`'s on the same requests, bootstrapped over
+    the requests (each resampled with its pair): how far the ratio can be trusted when requests
+    move more than the configurations differ."""
+    if len(rows) < 2:
+        return None
+    columns = [np.array([r[field] for r in side], dtype=float) for side in (rows, other)
+               for field in ("tokens", "seconds")]
+
+    def ratio(tokens, seconds, other_tokens, other_seconds, axis=-1):
+        return (tokens.sum(axis) / seconds.sum(axis)) / (other_tokens.sum(axis) / other_seconds.sum(axis))
+
+    interval = scipy.stats.bootstrap(columns, ratio, paired=True, vectorized=True, method="percentile",
+                                     random_state=0).confidence_interval
+    return [round(float(interval.low), 3), round(float(interval.high), 3)]
 
 
 def where_the_loss_goes(log: dict[str, list[dict]], policy: str, by_class: dict, oracle_arms: dict) -> dict:
