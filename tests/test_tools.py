@@ -177,6 +177,10 @@ def test_cli_gives_clear_errors_and_exit_codes(tmp_path, capsys):
         assert usage.value.code == 2 and words in capsys.readouterr().err
     assert main(["bench", "engine", "--quick", "--arm", "nope:3"]) == 2  # was: `autotune: 'nope'`, a KeyError's text
     assert "unknown drafter 'nope'; this engine has: ['distilled'," in capsys.readouterr().err
+    bad = tmp_path / "requests.jsonl"
+    bad.write_text('{"class": "a", "prompt": "x"}\n{"class": "a", "prompt": ""}\n', encoding="utf-8")
+    assert main(["tune", "--method", "replay", "--requests-file", str(bad)]) == 2
+    assert f"{bad}, line 2: 'prompt' must be a non-empty string" in capsys.readouterr().err
     help_text = subprocess.run([sys.executable, "-m", "autotune.cli", "--help"], capture_output=True, text=True)
     assert help_text.returncode == 0 and "demo" in help_text.stdout and "zoo" in help_text.stdout
 

@@ -10,8 +10,8 @@ def cmd_tune(args) -> None:
     from autotune.train.tune import priors_from_study, tune_class, tune_skip_sets
     from store import Store
 
+    classes = classes_of(args)  # a bad requests file is refused before the models load
     engine = engine_from(args)
-    classes = classes_of(args)
     if args.method == "replay":
         from autotune.train.tune import tune_by_replay
 
