@@ -78,6 +78,11 @@ def test_a_completion_is_the_targets_own_output_with_what_the_controller_chose(s
     assert json.loads(urllib.request.urlopen(base + "/health").read()) == {"status": "ok"}
     [model] = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"]
     assert (model["id"], model["max_model_len"]) == ("tiny", 256)  # vLLM's field: the context length
+    assert json.loads(urllib.request.urlopen(base + "/v1/models/tiny").read()) == model  # models.retrieve
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(base + "/v1/models/gpt-4")
+    refusal = json.loads(missing.value.read())["error"]
+    assert missing.value.code == 404 and "'gpt-4' does not exist" in refusal["message"]
     status, body = post(base, {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0,
                                "request_class": "code"})
     expected = alone(engine, PROMPTS[0], 20)
@@ -238,6 +243,15 @@ def test_bad_requests_get_openais_error_body_naming_the_problem(served, body, st
     assert error["error"]["type"] == "invalid_request_error" and error["error"]["code"] == status
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_a_post_with_no_body_is_refused_as_a_bad_request(served, path):
+    request = urllib.request.Request(served[1] + path, b"", {"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request)
+    error = json.loads(refused.value.read())["error"]
+    assert refused.value.code == 400 and error["message"] == "the body is required: a JSON object"
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
@@ -305,6 +319,7 @@ def test_a_chat_is_its_templated_prompts_completion_with_chat_logprobs_and_strea
     ({}, "messages is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content.str: Input should"),
     ({"messages": [{"content": "hi"}]}, "messages.0.role is required"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role: Input should be 'system',"),
     ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not served"),
     ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format is not served"),

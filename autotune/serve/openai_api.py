@@ -60,6 +60,8 @@ class BadRequest(Exception):
                 return cls("the body must be a JSON object, sent with `Content-Type: application/json`")
             return cls("the body must be a JSON object")
         where = ".".join(loc)
+        if error["type"] == "missing" and not loc:  # a POST with no body at all
+            return cls("the body is required: a JSON object")
         if error["type"] == "missing":
             return cls(f"{where} is required", loc[0])
         if error["type"] == "value_error":  # this module's own words, which begin with the field they refuse
@@ -302,7 +304,7 @@ class ChatMessage(_Strict):
     """A chat turn with text content: a string, OpenAI's list of text parts (joined), or null
     (an assistant turn that made a tool call, in an agent's history: empty)."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's roles
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:

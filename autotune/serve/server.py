@@ -705,11 +705,19 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
             raise BadRequest(f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:5]}", "tokens")
         return {"prompt": service.tokenizer.decode(body.tokens)}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": service.created, "owned_by": "spec-autotune",
+                "max_model_len": controller.engine.max_length}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        model = {"id": model_name, "object": "model", "created": service.created, "owned_by": "spec-autotune",
-                 "max_model_len": controller.engine.max_length}
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        """One model, as the OpenAI SDK's `models.retrieve(id)` asks; an id this server lacks is a 404."""
+        service.check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> dict:
