@@ -244,12 +244,17 @@ def test_bad_requests_get_openais_error_body_naming_the_problem(served, body, st
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
-def test_a_post_with_no_body_is_refused_as_a_bad_request(served, path):
+def test_a_post_with_no_body_or_one_not_utf8_is_refused_as_a_bad_request(served, path):
     request = urllib.request.Request(served[1] + path, b"", {"Content-Type": "application/json"}, method="POST")
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request)
     error = json.loads(refused.value.read())["error"]
     assert refused.value.code == 400 and error["message"] == "the body is required: a JSON object"
+    request = urllib.request.Request(served[1] + path, b'{"prompt": "\xff"}', {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request)
+    assert refused.value.code == 400
+    assert json.loads(refused.value.read())["error"]["message"] == "the body is not JSON text in UTF-8"
 
 
 @pytest.mark.parametrize("path, body, param", [

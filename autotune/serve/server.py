@@ -666,6 +666,8 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
     async def http_error(http: Request, exc: HTTPException) -> JSONResponse:
         message = {404: f"no route {http.method} {http.url.path}",
                    413: f"the body grew past the limit: this server takes at most {limits.max_body_bytes} bytes"}
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            message[400] = "the body is not JSON text in UTF-8"  # FastAPI's words for bytes it cannot decode
         return JSONResponse(BadRequest(message.get(exc.status_code, str(exc.detail)),
                                        status=HTTPStatus(exc.status_code)).body(), exc.status_code,
                             headers=exc.headers)
