@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 from conftest import tiny_llama
+from prometheus_client import CONTENT_TYPE_LATEST
 from transformers import AutoTokenizer
 
 from autotune.control.controller import AutotuneController, ControlledResult
@@ -79,6 +80,8 @@ def test_a_completion_is_the_targets_own_output_with_what_the_controller_chose(s
     [model] = json.loads(urllib.request.urlopen(base + "/v1/models").read())["data"]
     assert (model["id"], model["max_model_len"]) == ("tiny", 256)  # vLLM's field: the context length
     assert json.loads(urllib.request.urlopen(base + "/v1/models/tiny").read()) == model  # models.retrieve
+    metrics = json.loads(urllib.request.urlopen(base + "/openapi.json").read())["paths"]["/metrics"]["get"]
+    assert list(metrics["responses"]["200"]["content"]) == [CONTENT_TYPE_LATEST]  # Prometheus' text, not JSON
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(base + "/v1/models/gpt-4")
     refusal = json.loads(missing.value.read())["error"]

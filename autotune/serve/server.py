@@ -725,7 +725,9 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    # Prometheus' text format, so documented: schema-driven clients would otherwise expect JSON
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
