@@ -82,6 +82,9 @@ def test_a_completion_is_the_targets_own_output_with_what_the_controller_chose(s
     assert json.loads(urllib.request.urlopen(base + "/v1/models/tiny").read()) == model  # models.retrieve
     metrics = json.loads(urllib.request.urlopen(base + "/openapi.json").read())["paths"]["/metrics"]["get"]
     assert list(metrics["responses"]["200"]["content"]) == [CONTENT_TYPE_LATEST]  # Prometheus' text, not JSON
+    schema = urllib.request.urlopen(base + "/openapi.json").read().decode()
+    assert '"422"' not in schema and "HTTPValidationError" not in schema  # refusals are sent as 400
+    assert "400" in json.loads(schema)["paths"]["/v1/completions"]["post"]["responses"]
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(base + "/v1/models/gpt-4")
     refusal = json.loads(missing.value.read())["error"]

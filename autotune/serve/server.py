@@ -46,6 +46,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
@@ -629,6 +630,28 @@ def _error(refusal: BadRequest) -> JSONResponse:
     return JSONResponse(refusal.body(), refusal.status)
 
 
+_REFUSAL = {"description": "Refused: OpenAI's error body, naming the problem and the field",
+            "content": {"application/json": {"schema": {"type": "object", "properties": {"error": {
+                "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                                 "param": {"type": ["string", "null"]},
+                                                 "code": {"type": "integer"}}}}}}}}
+
+
+def _openapi_with_refusals(app: FastAPI) -> dict:
+    """FastAPI's schema with its 422 validation responses documented as what the server sends: a
+    400 in OpenAI's error body (`BadRequest`), so that schema-driven clients are not misled."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                if operation.get("responses", {}).pop("422", None) is not None:
+                    operation["responses"]["400"] = _REFUSAL
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def create_app(controller: AutotuneController, model_name: str = "spec-autotune", api_key: str | None = None,
                max_metric_classes: int = 100, limits: ServerLimits = ServerLimits(),
                allowed_origins: tuple[str, ...] = ("*",)) -> FastAPI:
@@ -650,6 +673,7 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
     app = FastAPI(title="spec-autotune", dependencies=[Depends(authorized)], strict_content_type=False,
                   docs_url=None, redoc_url=None)
     app.state.service = service
+    app.openapi = functools.partial(_openapi_with_refusals, app)
     app.add_middleware(RequestBudget, limits=limits)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                        allow_headers=["*"])
