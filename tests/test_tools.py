@@ -528,6 +528,7 @@ def test_many_classes_bench_serves_every_request_on_every_configuration(small_st
     assert ucb["rewards"] == 6 and ucb["rewards_above_bound"] == 0
     assert set(result["oracle_arms"]) == set(tenants) and result["oracle_vs_best_static"] >= 1.0
     assert 0 < ucb["overhead_share"] < 1
+    assert result["greedy_mismatches"] == 0
 
 
 def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_rewards_against_physics(small_store):
@@ -549,7 +550,12 @@ def test_many_classes_summary_picks_static_and_oracle_in_hindsight_and_checks_re
            "ucb": [row("x", "small:1", 10, 0.5, reward=2.5, bound=2.0),
                    row("y", "ngram:2", 10, 0.8, reward=1.25, bound=2.0, estimates={"small:1": 0.5})]}
     result = summarize(engine, log, ["ucb"], ["off", "small:1", "ngram:2"], {"x": None, "y": None}, 1)
-    assert result["static_best_arm"] == "ngram:2"
+    assert result["static_best_arm"] == "ngram:2" and result["greedy_mismatches"] == 0
+    for rows in log.values():  # x greedy; ucb's output on it differs from the others'
+        rows[0].update(greedy=True, output=1)
+    log["ucb"][0]["output"] = 2
+    assert summarize(engine, log, ["ucb"], ["off", "small:1", "ngram:2"], {"x": None, "y": None},
+                     1)["greedy_mismatches"] == 1
     assert result["oracle_arms"] == {"x": "small:1", "y": "ngram:2"}
     assert result["oracle_vs_best_static"] == pytest.approx(1.6 / 1.3, abs=1e-3)
     ucb = result["policies"]["ucb"]

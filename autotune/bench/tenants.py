@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -126,7 +127,8 @@ def bench_many_classes(engine: SpeculativeEngine, classes: dict[str, RequestClas
                 "class": req.request_class, "arm": str(r.arm), "tokens": m.new_tokens, "engine_s": m.total_s,
                 "seconds": m.total_s + r.decision_s + r.learn_s, "overhead_s": r.decision_s + r.learn_s,
                 "reward": r.reward, "bound": max(1.0, (own.new_tokens - 1) / own.rounds) if own.rounds else 1.0,
-                "estimates": r.estimates, "prompt_tokens": m.prompt_tokens})
+                "estimates": r.estimates, "prompt_tokens": m.prompt_tokens,
+                "greedy": req.temperature == 0, "output": zlib.crc32(repr(r.tokens).encode())})
         if (i + 1) % 20 == 0:
             progress(f"  {i + 1}/{len(stream)} requests")
     for ctl in controllers.values():
@@ -166,6 +168,9 @@ def summarize(engine: SpeculativeEngine, log: dict[str, list[dict]], policies: l
         "oracle_arms": oracle_arms,
         "oracle_vs_best_static": round(oracle / best, 3),
         "static_ratio_vs_off": {s: round(_goodput(log[s]) / off, 3) for s in statics},
+        # greedy requests whose output differs between configurations (the target's own: none)
+        "greedy_mismatches": sum(row.get("greedy", False) and len({log[name][i].get("output") for name in log}) > 1
+                                 for i, row in enumerate(log["off"])),
         "policies": {},
     }
     for p in policies:
