@@ -217,7 +217,7 @@ def where_the_loss_goes(log: dict[str, list[dict]], policy: str, by_class: dict,
     served on an arm other than the one the class kept at its end, against the oracle's arm on
     the same request), `convergence` (requests served on the arm kept, against the oracle's arm:
     the cost of keeping the wrong one). Per class: the arm kept, the oracle's, and the class's
-    ratio to the oracle. Timing noise lands in the last two; the OFF control measures it."""
+    ratio to the oracle. Timing noise lands in the last two (`paired_interval` bounds it)."""
     total = sum(r["seconds"] for r in log[policy])
     oracle_seconds = sum(r["seconds"] for c in by_class[policy] for r in by_class[oracle_arms[c]][c])
     shares = {"overhead": 0.0, "exploration": 0.0, "convergence": 0.0}

@@ -6,7 +6,7 @@ import functools
 import json
 from pathlib import Path
 
-from autotune.cli.common import CheckFailed, at_least, classes_of, cpu_list, emit, engine_from
+from autotune.cli.common import REQUESTS_FILE_HELP, CheckFailed, at_least, classes_of, cpu_list, emit, engine_from
 from autotune.cli.models import built_llamacpp
 
 PREFIX_BENCH_TOKENS = 8192  # bench prefix: what each model keeps of earlier prompts (serve's default)
@@ -393,9 +393,7 @@ def register(sub, common) -> None:
     p.add_argument("--budget", type=at_least(1), default=16, help="bench layer-skip: skip-set trials per class")
     p.add_argument("--max-new-tokens", type=at_least(1), default=64)
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
-    p.add_argument("--requests-file", metavar="JSONL",
-                   help="your own requests, one JSON object a line: class, prompt, and optionally"
-                        " temperature, top_p, max_new_tokens (the classes then come from it)")
+    p.add_argument("--requests-file", metavar="JSONL", help=REQUESTS_FILE_HELP)
     p.add_argument("--requests", type=at_least(1),
                    help="bench controller: stream length (default 160); longrun: requests served (default 320);"
                         " prefix: requests per case (default 24); hostile: distinct request classes (default 300)")

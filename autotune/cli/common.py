@@ -31,6 +31,10 @@ def engine_from(args, drafters=None, prefix_cache_tokens: int = 0, compile_: boo
                        prefix_cache_tokens=prefix_cache_tokens)
 
 
+REQUESTS_FILE_HELP = ("your own requests, one JSON object a line: class, prompt, and optionally temperature,"
+                      " top_p, max_new_tokens (the classes then come from it)")
+
+
 def classes_of(args):
     """The request classes a command serves: a requests file's (`--requests-file`), else the
     built-in ones; `--classes` picks among them."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotune.cli.common import at_least, classes_of, emit, engine_from
+from autotune.cli.common import REQUESTS_FILE_HELP, at_least, classes_of, emit, engine_from
 
 
 def cmd_tune(args) -> None:
@@ -48,9 +48,7 @@ def cmd_tune(args) -> None:
 def register(sub, common) -> None:
     p = common(sub.add_parser("tune", help="offline Optuna study per request class"))
     p.add_argument("--classes", help="comma-separated classes (default: code,docs,edit,creative)")
-    p.add_argument("--requests-file", metavar="JSONL",
-                   help="your own requests, one JSON object a line: class, prompt, and optionally"
-                        " temperature, top_p, max_new_tokens (the classes then come from it)")
+    p.add_argument("--requests-file", metavar="JSONL", help=REQUESTS_FILE_HELP)
     p.add_argument("--budget", type=at_least(1), default=20, help="trials per class")
     p.add_argument("--minutes", type=at_least(0.01, float), help="time limit per class")
     p.add_argument("--prompts", type=at_least(1), default=4,
