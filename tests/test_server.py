@@ -386,6 +386,42 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_output(served):
     assert max(c[1]["choices"][0]["autotune"]["load"] for c in got) > 1  # some were served together
 
 
+def test_concurrent_clients_teach_the_policy_at_their_load(tmp_path):
+    """Rounds of 16 concurrent requests over HTTP: the store journals updates at load 5+ for the
+    arms that served rows at that load, speculative ones with their own rewards (not OFF's 1)."""
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    target = tiny_llama(0, vocab=len(tokenizer))
+    engine = SpeculativeEngine(target, {"self": target, "ngram": NGramDrafter()}, tokenizer=tokenizer)
+    with Store(f"sqlite:///{tmp_path / 'store.db'}") as store:
+        controller = AutotuneController(engine, store, policy="ucb", arms=[OFF, Arm("self", 3), Arm("ngram", 4)],
+                                        max_batch=16, batch_wait_ms=50)
+        server = CompletionServer(controller, ("127.0.0.1", 0), "tiny")
+        server.start()
+        base = f"http://127.0.0.1:{server.server_port}"
+        for _ in range(3):
+            start = threading.Barrier(16)
+
+            def client(i):
+                start.wait()
+                post(base, {"prompt": PROMPTS[i % 3] * (1 + i % 2), "max_tokens": 40, "temperature": 0,
+                            "request_class": "code"})
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        server.shutdown()
+        controller.close()
+        served = {row["arm"] for row in store.observations() if row["load"] >= 5}
+        updates = [u for u in store.policy_updates("ucb") if u["load"] >= 5]
+        assert "code@load5+" in store.load_policy_states("ucb")
+    assert len(updates) >= 3 and {u["arm"] for u in updates} == served
+    spoken = [u["reward"] for u in updates if u["arm"] != "off"]
+    assert spoken and all(r > 0 for r in spoken) and any(abs(r - 1.0) > 1e-3 for r in spoken)
+    assert all(u["reward"] == pytest.approx(1.0) for u in updates if u["arm"] == "off")
+
+
 def test_text_deltas_hold_back_a_tail_that_could_begin_a_stop_string(served):
     """One token at a time, a stop string that begins in one token and ends in the next: the
     deltas sent before the end never include its beginning, and with the result's text they
