@@ -422,6 +422,52 @@ def test_concurrent_clients_teach_the_policy_at_their_load(tmp_path):
     assert all(u["reward"] == pytest.approx(1.0) for u in updates if u["arm"] == "off")
 
 
+def test_a_stop_lets_requests_finish_within_its_grace_and_ends_the_rest_cleanly():
+    """A stop (SIGTERM's path) during a stream and a whole request longer than the grace: the
+    stream ends with its text so far, finish_reason "abort" and [DONE], the whole request gets
+    a 503 naming why, both before the grace runs out, and nothing is logged as an error."""
+    import logging
+    import time
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
+    target = tiny_llama(0, vocab=len(tokenizer))
+    engine = SpeculativeEngine(target, {}, tokenizer=tokenizer)
+    expected = alone(engine, PROMPTS[0], 200).text
+    target.register_forward_pre_hook(lambda module, args: time.sleep(0.03))  # 200 tokens: about 6 s
+    controller = AutotuneController(engine, policy="static", arms=[OFF], arm=OFF, max_batch=4)
+    server = CompletionServer(controller, ("127.0.0.1", 0), "tiny", limits=ServerLimits(graceful_shutdown_s=1.5))
+    server.start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    errors = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append
+    logging.getLogger().addHandler(handler)
+    got = {}
+    body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
+    streaming = threading.Thread(target=lambda: got.update(stream=post(base, {**body, "stream": True})))
+    whole = threading.Thread(target=lambda: got.update(whole=post(base, body)))
+    try:
+        streaming.start()
+        whole.start()
+        time.sleep(0.5)
+        began = time.perf_counter()
+        server.shutdown()
+        stopped_in = time.perf_counter() - began
+        streaming.join()
+        whole.join()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    status, events = got["stream"]
+    assert status == 200 and events[-1] == "[DONE]"
+    choices = [e["choices"][0] for e in events[:-1]]
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["abort"]
+    text = "".join(c["text"] for c in choices)
+    assert 0 < len(text) < len(expected) and expected.startswith(text)
+    status, refusal = got["whole"]
+    assert status == 503 and "grace ran out" in refusal["error"]["message"]
+    assert stopped_in < 1.5 + 1.0 and errors == []
+
+
 def test_text_deltas_hold_back_a_tail_that_could_begin_a_stop_string(served):
     """One token at a time, a stop string that begins in one token and ends in the next: the
     deltas sent before the end never include its beginning, and with the result's text they

@@ -97,7 +97,8 @@ def _serve_forever(args, controller, name: str, what: str) -> None:
 
     raise_descriptor_limit()
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, head_timeout_s=args.head_timeout,
-                          max_connections=args.max_connections, max_requests=args.max_requests)
+                          max_connections=args.max_connections, max_requests=args.max_requests,
+                          graceful_shutdown_s=args.shutdown_grace)
     server = CompletionServer(controller, (args.host, args.port), name, verbose=args.verbose,
                               api_key=args.api_key or os.environ.get("AUTOTUNE_API_KEY"),
                               max_metric_classes=args.max_metric_classes, limits=limits,
@@ -176,6 +177,9 @@ def register(sub, common) -> None:
                         " descriptor limit leaves, raised up to its hard limit; at most 65,536)")
     p.add_argument("--max-requests", type=at_least(1), default=4096, metavar="N",
                    help="requests in flight at most; past it a 503")
+    p.add_argument("--shutdown-grace", type=at_least(0.0, float), default=10.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C new requests get a 503 and those running may finish for this"
+                        " long; a stream still running then ends with finish_reason \"abort\" and [DONE]")
     p.add_argument("--loop-nice", type=at_least(0, high=19), default=19, metavar="N",
                    help="the HTTP event loop runs N steps below the engine's worker in CPU priority (Linux), so"
                         " connections' work (floods of connects, waves of closes) waits for decoding; it waits for"

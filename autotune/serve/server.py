@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -403,6 +403,12 @@ class TextDeltas:
         """What the client has not got of the final text."""
         return final[len(self.sent):] if final.startswith(self.sent) else ""
 
+    def rest_so_far(self) -> str:
+        """What the client has not got of the text decoded so far, for a choice cut before its end."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
+        found = [text.find(s) for s in self.stops if s in text]
+        return self.rest(text[:min(found)] if found else text)
+
 
 class LogprobDeltas:
     """A choice's streamed tokens whose log-probabilities the client has not had yet: they go
@@ -432,6 +438,14 @@ class LogprobDeltas:
 
 
 
+STOP_MARGIN_S = 0.5  # a stop cuts requests this long before its grace ends, for their last bytes to go
+
+
+def _stopping() -> BadRequest:
+    return BadRequest("the server is stopping: send the request to another replica, or retry later",
+                      status=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
 class CompletionService:
     """What the routes do, over `controller`, served as `model_name`."""
 
@@ -442,6 +456,16 @@ class CompletionService:
         self.tokenizer = controller.engine.tokenizer
         self.created = int(time.time())
         self.metrics = ServedMetrics(model_name, max_metric_classes)
+        self.stopping = False
+        self.cut = asyncio.Event()  # set at the end of a stop's grace: requests still running end there
+
+    def stop(self, grace_s: float) -> None:
+        """The server begins to stop (on its loop): new requests are refused from now, and those
+        still running `grace_s` from now are cut, a stream with a last chunk whose finish_reason
+        is "abort" (vLLM's) and `[DONE]`, a whole response with a 503. Cut a little before the
+        grace ends, so that each response is sent before uvicorn cancels what is left."""
+        self.stopping = True
+        asyncio.get_running_loop().call_later(max(0.0, grace_s - STOP_MARGIN_S), self.cut.set)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -508,12 +532,19 @@ class CompletionService:
         tasks = self.each_choice(request, ids, lambda i: ChoiceClock())
         served = asyncio.ensure_future(asyncio.gather(*tasks))
         gone = asyncio.ensure_future(_disconnected(http))
+        cut = asyncio.ensure_future(self.cut.wait())
         try:
-            await asyncio.wait({served, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({served, gone, cut}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            for task in tasks:  # the client left, or a choice failed: the others stop too
+            cut.cancel()
+            for task in tasks:  # the client left, a choice failed, or the server stops: the others stop too
                 task.cancel()
+            # its outcome read, so that a gather of cancelled choices is not logged as an error
+            served.add_done_callback(lambda gathered: gathered.cancelled() or gathered.exception())
+        if not served.done() and self.cut.is_set():
+            return _error(BadRequest("the server stopped before this request finished: its grace ran out",
+                                     status=HTTPStatus.SERVICE_UNAVAILABLE))
         if not served.done():
             return Response(status_code=499)  # nginx's "client closed request": no one reads it
         results = served.result()
@@ -525,7 +556,8 @@ class CompletionService:
     async def stream(self, request: ApiRequest, ids: list[list[int]]) -> AsyncIterator[str]:
         """Server-sent events as OpenAI streams them: a chunk per text delta, each choice's last
         with its finish_reason, the usage if asked for, then `data: [DONE]`. Starlette cancels
-        this generator when the client goes away, and the choices stop with it."""
+        this generator when the client goes away, and the choices stop with it; a stop's grace
+        ending (`stop`) ends the choices still running with finish_reason "abort"."""
         rows = request.choices()
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -539,9 +571,14 @@ class CompletionService:
             error = task.exception()
             events.put_nowait(("failed", i, error) if error else ("done", i, task.result()))
 
+        async def cut() -> None:
+            await self.cut.wait()
+            events.put_nowait(("cut", -1, None))
+
         tasks = self.each_choice(request, ids, lambda i: TokenEvents(i, post))
         for i, task in enumerate(tasks):
             task.add_done_callback(functools.partial(reported, i))
+        tasks.append(asyncio.ensure_future(cut()))
         request_id, created = _request_id(request), int(time.time())  # one `created` for every chunk
 
         def chunk(choices: list[dict]) -> str:
@@ -561,6 +598,11 @@ class CompletionService:
                     logprobs[i].add(tokens, entries)
                     if delta := texts[i].add(tokens):
                         yield chunk([chunk_choice(i, request, delta, logprobs=logprobs[i].take())])
+                elif kind == "cut":
+                    for i in sorted(set(range(len(rows))) - set(results)):
+                        results[i] = None
+                        yield chunk([chunk_choice(i, request, texts[i].rest_so_far(), "abort",
+                                                  logprobs=logprobs[i].take())])
                 elif kind == "done":
                     results[i] = payload
                     last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason,
@@ -768,8 +810,12 @@ class _StoppingServer(uvicorn.Server):
     of connections, some accepted in the same batch as the stop were made after uvicorn had told
     the open ones to close, and it waited out its whole grace for them."""
 
+    on_stop: Callable[[float], None] | None = None  # told the grace as the stop begins (`CompletionService.stop`)
+
     async def shutdown(self, sockets=None) -> None:
         self.config.http_protocol_class.closing = True
+        if self.on_stop is not None:
+            self.on_stop(self.config.timeout_graceful_shutdown)
         await super().shutdown(sockets)
 
 
@@ -797,9 +843,10 @@ class CompletionServer:
         self.server_port = self.socket.getsockname()[1]
         # uvicorn's loop "auto": uvloop's (a dependency but on Windows), which accepts and times connections in C
         config = uvicorn.Config(self.app, http=bounded_protocol(limits), timeout_keep_alive=int(limits.keep_alive_s),
-                                timeout_graceful_shutdown=int(limits.graceful_shutdown_s),
+                                timeout_graceful_shutdown=limits.graceful_shutdown_s,
                                 log_level="info" if verbose else "warning", access_log=verbose)
         self.uvicorn = _StoppingServer(config)
+        self.uvicorn.on_stop = self.app.state.service.stop
         self._thread: threading.Thread | None = None
 
     def serve_forever(self) -> None:
