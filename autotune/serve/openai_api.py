@@ -23,7 +23,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -135,9 +135,26 @@ UNSERVED = {
 
 
 class _Strict(BaseModel):
-    """Typed strictly (no "3" for 3, no true for 1); other fields kept aside (`model_extra`)."""
+    """Typed strictly (no "3" for 3, no true for 1; but 3.0 is 3, an integer as JSON Schema counts
+    it); other fields kept aside (`model_extra`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, body: Any) -> Any:
+        return _integral(body)
+
+
+def _integral(value: Any) -> Any:
+    """`value` with every float that has no fraction made an int, in lists and objects too."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    return value
 
 
 class OpenAIBody(_Strict):
@@ -171,6 +188,10 @@ class OpenAIBody(_Strict):
             raise BadRequest.from_validation(exc.errors()) from None
 
 
+TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]  # a stop string or a bad word: never empty
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -178,31 +199,32 @@ class StreamOptions(_Strict):
 class SamplingBody(OpenAIBody):
     """The fields both generating endpoints share."""
 
+    # Bounds as the engine's `SamplingParams` checks them, so that the schema states them
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0)
-    top_p: float = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_class: str | None = None
     add_special_tokens: bool | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: str | list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    bad_words: Text | list[Text] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -222,10 +244,8 @@ class SamplingBody(OpenAIBody):
                 echo: bool = False) -> ApiRequest:
         """The checked request: what pydantic cannot check field by field, and the controller's
         keyword arguments."""
-        if max_tokens == 0 and (not echo or self.stream or chat):
+        if max_tokens == 0 and (not echo or self.stream):  # a chat's is at least 1 (its fields' bounds)
             raise BadRequest("max_tokens 0 scores a prompt: a completion with echo, not streamed", "max_tokens")
-        if max_tokens is not None and max_tokens < 0:
-            raise BadRequest(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
         if self.stream and echo and logprobs is not None:
             raise BadRequest("the prompt's logprobs (echo with logprobs) are not streamed: ask for them without"
                              " stream", "logprobs")
@@ -265,15 +285,29 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     return (ids(value),)
 
 
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TEXT = {"type": "string", "minLength": 1}  # the engine refuses an empty prompt
+
+
 class CompletionRequest(SamplingBody):
     """A /v1/completions body."""
 
-    prompt: Any
-    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    # what `_served_forms` and `request` check, in the schema
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+         "then": {"properties": {"echo": {"const": True}, "stream": {"const": False}}, "required": ["echo"]}},
+        {"if": {"properties": {"best_of": {"const": 1}}, "required": ["best_of"]},
+         "then": {"properties": {"n": {"const": 1}}}}]})
+
+    prompt: Any = Field(json_schema_extra={"anyOf": [  # what `_prompts` takes, for the schema
+        _TEXT, {"type": "array", "items": _TEXT, "minItems": 1}, _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]})
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    # not served but as the 1 LangChain sends (with n 1), nor is suffix (`_served_forms`)
+    best_of: int | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}, {"const": 1}]})
+    suffix: str | None = Field(None, json_schema_extra={"anyOf": [{"type": "null"}]})
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -286,8 +320,8 @@ class CompletionRequest(SamplingBody):
     def _served_forms(self) -> CompletionRequest:
         if self.suffix is not None:
             raise ValueError("suffix is not supported (no fill-in-the-middle)")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of other than n is not supported (as in vLLM V1), got {self.best_of}"
+        if self.best_of is not None and (self.best_of, self.n) != (1, 1):
+            raise ValueError(f"best_of is not supported (as in vLLM V1) but as 1 with n 1, got {self.best_of}"
                              f" with n={self.n}")
         return self
 
@@ -336,9 +370,15 @@ class ChatTemplated(OpenAIBody):
 class ChatCompletionRequest(ChatTemplated, SamplingBody):
     """A /v1/chat/completions body: by default as many tokens as the context leaves (vLLM's)."""
 
+    # `_top_needs_logprobs` in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
+
+    max_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -356,8 +396,13 @@ class TokenizeRequest(OpenAIBody):
     """vLLM's /tokenize body: a `prompt`, or `messages` through the chat template; the
     tokenizer's special tokens added by default as the completion endpoints add them."""
 
+    # one of the two (`_one_of`), in the schema
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
+
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

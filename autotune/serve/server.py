@@ -679,17 +679,44 @@ _REFUSAL = {"description": "Refused: OpenAI's error body, naming the problem and
                                                  "code": {"type": "integer"}}}}}}}}
 
 
-def _openapi_with_refusals(app: FastAPI) -> dict:
-    """FastAPI's schema with its 422 validation responses documented as what the server sends: a
-    400 in OpenAI's error body (`BadRequest`), so that schema-driven clients are not misled."""
+# A generating route's 200: JSON, or with `stream` server-sent events, each a chunk's JSON or [DONE]
+_STREAMED = {200: {"content": {"text/event-stream": {"schema": {
+    "type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}}}
+
+
+def _refusal(why: str) -> dict:
+    return {**_REFUSAL, "description": why}
+
+
+# What routes refuse besides a body's validation, by the route's method and path
+_MODEL_UNKNOWN = _refusal("Not found: the body's `model` is not this server's")
+_OTHER_REFUSALS = {
+    ("post", ""): {"404": _MODEL_UNKNOWN, "413": _refusal("The body is larger than the server takes"),
+                   "503": _refusal("The server is stopping, or has as many requests in flight as it takes")},
+    ("get", "/v1/models/{model_id}"): {"404": _refusal("Not found: no model by that id")},
+    ("get", "/v1/autotune/policy"): {"404": _refusal("Not found: the server keeps no store")},
+}
+
+
+def _openapi_with_refusals(app: FastAPI, vocab_size: int) -> dict:
+    """FastAPI's schema with what the server sends documented: its 422 validation responses as
+    a 400 in OpenAI's error body (`BadRequest`), every other refusal a route can send, and the
+    token ids it takes bounded by the vocabulary, so that schema-driven clients are not misled."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for operations in schema["paths"].values():
-            for operation in operations.values():
-                if operation.get("responses", {}).pop("422", None) is not None:
-                    operation["responses"]["400"] = _REFUSAL
+        for path, operations in schema["paths"].items():
+            for method, operation in operations.items():
+                responses = operation.setdefault("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = _REFUSAL
+                for key in ((method, ""), (method, path)):
+                    responses.update(_OTHER_REFUSALS.get(key, {}))
+        components = schema.get("components", {}).get("schemas", {})
         for unused in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+            components.pop(unused, None)
+        if "DetokenizeRequest" in components:
+            components["DetokenizeRequest"]["properties"]["tokens"]["items"] = {
+                "type": "integer", "minimum": 0, "maximum": vocab_size - 1}
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -715,7 +742,7 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
     app = FastAPI(title="spec-autotune", dependencies=[Depends(authorized)], strict_content_type=False,
                   docs_url=None, redoc_url=None)
     app.state.service = service
-    app.openapi = functools.partial(_openapi_with_refusals, app)
+    app.openapi = functools.partial(_openapi_with_refusals, app, controller.engine.vocab_size)
     app.add_middleware(RequestBudget, limits=limits)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                        allow_headers=["*"])
@@ -753,11 +780,11 @@ def create_app(controller: AutotuneController, model_name: str = "spec-autotune"
                                      headers={"Cache-Control": "no-cache"})
         return await service.complete(http, request, ids)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_STREAMED)
     async def completions(http: Request, body: CompletionRequest) -> Response:
         return await generate(http, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_STREAMED)
     async def chat_completions(http: Request, body: ChatCompletionRequest) -> Response:
         return await generate(http, body)
 
