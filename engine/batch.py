@@ -42,7 +42,7 @@ from engine.kvcache import GrowingCache, crop_layers, uses_alibi
 from engine.prefix import KV, PrefixCache, shared_starts
 from engine.round import Drafts, Row, decode_round, stream
 from engine.runner import cache_argument
-from engine.sampling import adjust_logits, probabilities, sample, token_logprobs
+from engine.sampling import adjust_logits, draw, probabilities, token_logprobs
 
 
 class BatchCache:
@@ -472,7 +472,7 @@ class ModelBatch(HoldsNothing):
             for b, r in enumerate(rows):
                 if i < ks[b] and not r.sampling.greedy:
                     q = probabilities(logits[b], r.sampling)
-                    chosen[b] = sample(q, r.generator)
+                    chosen[b] = draw(q, r.generator, len(r.tokens) + len(drafts[b]))
                     dists[b].append(q)
                 if i < ks[b]:
                     drafts[b].append(chosen[b])

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 
 from engine.arms import MAX_K, OFF, Arm
 from engine.batch import BatchRun, check_batchable
+from engine.coupled import PositionNoise
 from engine.drafters import Drafter, ModelDrafter, capabilities, model_drafter_of
 from engine.errors import IncompatibleDrafterError, InvalidRequestError
 from engine.feature import FeatureDrafter, is_head_folder
@@ -244,7 +245,7 @@ class SpeculativeEngine:
         none.
         """
         if self.device.type == "cuda":
-            sampling = SamplingParams(1.0, 0.9, seed=0)
+            sampling = SamplingParams(1.0, 0.9, seed=0, coupled=False)
             generator = self._generator(sampling)
             with torch.inference_mode():
                 sample(probabilities(torch.zeros(self.vocab_size, device=self.device), sampling), generator)
@@ -586,12 +587,16 @@ class SpeculativeEngine:
                         sampling.include_stop_str_in_output, sampling.min_tokens, sampling.stopping_criteria,
                         sampling.skip_special_tokens)
 
-    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
-        """A sampled request's own random stream (seeded when it gives a seed); None for greedy."""
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | PositionNoise | None:
+        """A sampled request's own randomness (seeded when it gives a seed): its noise per position
+        when it is coupled, else a random stream; None for greedy."""
         if sampling.greedy:
             return None
+        seed = sampling.seed if sampling.seed is not None else torch.seed()
+        if sampling.couples:
+            return PositionNoise(seed, self.device)
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+        generator.manual_seed(seed)
         return generator
 
 

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.arms import MAX_K
+from engine.coupled import drawn_equal
 from engine.drafters import BatchDrafting, Capabilities, HoldsNothing, lookup_of, reusable
 from engine.errors import IncompatibleDrafterError
 from engine.replay import ReplayChains, ReplayInputs
@@ -632,7 +633,12 @@ def feature_chains(drafter: FeatureDrafter, inputs: ReplayInputs) -> list[list[f
         return memo["head", drafter, k]
     with torch.inference_mode():
         features = target_features(inputs.target_model, sequence, memo)
-        if target is None:  # [k, R]: draft j of the round from start + r drafts sequence[start + r + j]
+        if inputs.noise is not None:  # coupled: each draft the head's draw at its position
+            probs = probabilities(drafter.replay_logits(features, sequence, start, k), sampling)  # [k, R, V]
+            rounds = probs.shape[1]
+            accept = [drawn_equal(inputs.noise, probs[j, :rounds - j], list(range(start + j, start + rounds)),
+                                  sequence[start + j:]) for j in range(min(k, rounds))]
+        elif target is None:  # [k, R]: draft j of the round from start + r drafts sequence[start + r + j]
             accept = drafter.replay_kept(features, sequence, start, k)
             rounds = accept.shape[1]
         else:
@@ -640,6 +646,6 @@ def feature_chains(drafter: FeatureDrafter, inputs: ReplayInputs) -> list[list[f
             rounds = logits.shape[1]
             offsets = torch.arange(rounds, device=logits.device)[None] + torch.arange(k, device=logits.device)[:, None]
             accept = torch.minimum(target[offsets.clamp(max=rounds - 1)], probabilities(logits, sampling)).sum(-1)
-    accept = accept.tolist()
+    accept = accept if isinstance(accept, list) else accept.tolist()
     memo["head", drafter, k] = [[accept[j][r] for j in range(min(k, rounds - r))] for r in range(rounds)]
     return memo["head", drafter, k]

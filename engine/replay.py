@@ -6,7 +6,9 @@ drafter's drafts from every position follows from the output alone: a model draf
 teacher-forced forward over prompt + output, prompt lookup's from a scan, a feature head's from
 the target's features (engine/feature.py). Sampled requests get the same in expectation:
 rejection sampling keeps a draft from q where the target samples from p with probability
-sum_x min(p(x), q(x)). Each drafter that declares `Capabilities(replay=True)` says so for
+sum_x min(p(x), q(x)). A seeded sampled request, coupled (engine/coupled.py), gets it exactly:
+its output is the target's own draws, and a draft is kept where the drafter's draw from the
+same noise equals the token there. Each drafter that declares `Capabilities(replay=True)` says so for
 itself (`replay_chains`); the controller turns the chains into rounds and time
 (autotune/rewards/replay.py).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.coupled import PositionNoise, drawn_equal
 from engine.sampling import SamplingParams, adjust_logits, probabilities
 
 
@@ -28,10 +31,11 @@ class ReplayInputs:
     sequence: list[int]  # prompt + output
     start: int  # the first position a round drafts at: the output's second token (the first is the prefill's)
     k: int  # drafts per round
-    target: torch.Tensor | None  # [len(sequence) - start, V]: the target's distributions; None: greedy
+    target: torch.Tensor | None  # [len(sequence) - start, V]: the target's distributions; None: exact
     sampling: SamplingParams | None
     target_model: torch.nn.Module  # for drafters that draft from its features
     memo: dict = field(default_factory=dict)  # per sequence: what drafters sharing a model computed once
+    noise: PositionNoise | None = None  # a coupled request's (`replay_noise`): drafters draw with it
 
 
 @dataclass
@@ -65,11 +69,14 @@ def model_chains(model, inputs: ReplayInputs) -> list[list[float]]:
     sequence, start, memo = inputs.sequence, inputs.start, inputs.memo
     if model not in memo:
         logits = teacher_forced_logits(model, sequence, start, inputs.sampling)
-        if inputs.target is None:
+        if inputs.noise is not None:
+            accept = drawn_equal(inputs.noise, probabilities(logits, inputs.sampling),
+                                 list(range(start, len(sequence))), sequence[start:])
+        elif inputs.target is None:
             accept = (logits.argmax(-1) == torch.tensor(sequence[start:], device=logits.device)).float()
         else:
             accept = torch.minimum(inputs.target, probabilities(logits, inputs.sampling)).sum(-1)
-        memo[model] = accept.tolist()
+        memo[model] = accept if isinstance(accept, list) else accept.tolist()
     accept = memo[model]
     return [accept[j:j + inputs.k] for j in range(len(accept))]
 

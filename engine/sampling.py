@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.coupled import PositionNoise, verify_coupled
 from engine.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # alternatives per output token, as vLLM's default limit
@@ -56,7 +57,11 @@ class SamplingParams:
     assisted decoding). `stopping_criteria` (generate()'s), such as a transformers
     `StoppingCriteriaList`: the output also ends at the first token after which one of them,
     called as `(input_ids [1, L], None)`, returns true (see engine/stopping.py).
-    `skip_special_tokens` (vLLM's, default true): the output's text leaves them out."""
+    `skip_special_tokens` (vLLM's, default true): the output's text leaves them out. `coupled`:
+    drafter-invariant sampling (engine/coupled.py), each token drawn from noise of the seed and
+    its position and a draft kept only when it equals that draw, so that the output depends on
+    the prompt, these options and the seed alone, whatever the arm; None: for a seeded request.
+    Otherwise drafts are kept by the standard rejection rule, which keeps more of them."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -80,6 +85,7 @@ class SamplingParams:
     logits_processor: tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ...] = ()
     stopping_criteria: tuple[Callable[[torch.Tensor, None], torch.Tensor | bool], ...] = ()
     skip_special_tokens: bool = True
+    coupled: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -106,6 +112,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.coupled not in (None, True, False):
+            raise InvalidRequestError(f"coupled must be None, True or False, got {self.coupled!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -155,6 +163,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def couples(self) -> bool:
+        """Whether the request is sampled by the drafter-invariant rule (`coupled`)."""
+        return not self.greedy and (self.seed is not None if self.coupled is None else self.coupled)
 
     @property
     def penalized(self) -> bool:
@@ -301,10 +314,11 @@ def _bad_words(tokens: list[int], drafts: list[int], n: int, words: tuple[tuple[
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Turn logits [..., V] into the distribution the request samples from: temperature, top-k,
     top-p and min-p, in transformers' order. The logits are shifted to a maximum of 0 before
-    the temperature divides them (one no smaller than float32 can hold), so a tiny temperature
-    gives its limit, the likeliest tokens, instead of overflowing to a distribution of nan."""
+    the temperature divides them (one float32 can hold), so a tiny temperature gives its limit,
+    the likeliest tokens, and a huge one its limit, every token not ruled out alike, instead of
+    a distribution of nan (an impossible token's -inf over an infinite temperature)."""
     logits = logits.float()
-    temperature = max(params.temperature, FLOAT32.tiny)
+    temperature = min(max(params.temperature, FLOAT32.tiny), FLOAT32.max)
     probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
     if 0 < params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k, dim=-1).values[..., -1:]
@@ -353,8 +367,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def draw(probs: torch.Tensor, randomness: torch.Generator | PositionNoise | None, position: int) -> int:
+    """A token drawn from `probs` [V] for `position` of the sequence, by the request's randomness:
+    its coupled noise there, or its generator's next draw."""
+    if isinstance(randomness, PositionNoise):
+        return randomness.draw(probs, position)
+    return sample(probs, randomness)
+
+
 def draft_token(logits: torch.Tensor, history: list[int], output_start: int, params: SamplingParams,
-                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+                generator: torch.Generator | PositionNoise | None) -> tuple[int, torch.Tensor | None]:
     """A drafter's next token from its logits [V] after `history` (the request's tokens and the
     round's drafts so far), edited and drawn as the target will pick, so that its drafts are
     kept; and the distribution it was drawn from [V] (None when greedy: a point mass)."""
@@ -363,11 +385,11 @@ def draft_token(logits: torch.Tensor, history: list[int], output_start: int, par
     if params.greedy:
         return int(logits.argmax()), None
     q = probabilities(logits, params)
-    return sample(q, generator), q
+    return draw(q, generator, len(history)), q
 
 
 def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_probs: torch.Tensor | None,
-           params: SamplingParams, stopping, generator: torch.Generator | None
+           params: SamplingParams, stopping, generator: torch.Generator | PositionNoise | None
            ) -> tuple[list[int], list[dict[int, float]] | None]:
     """What a round commits after `tokens`, from the target's `logits` [len(draft) + 1, V] over
     `draft` (a prefill: no draft, one row): the drafts kept and the target's next token, and
@@ -382,6 +404,8 @@ def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_prob
         rows = rows if params.greedy else probabilities(rows, params)
     if params.greedy:
         n, nxt = verify_greedy(rows, draft)
+    elif isinstance(generator, PositionNoise):
+        n, nxt = verify_coupled(rows, draft, generator, len(tokens))
     else:
         n, nxt = verify_sampled(rows, draft, draft_probs, generator)
     kept = [*draft[:n], nxt]

@@ -31,12 +31,14 @@ def engine(target, draft_model):
                                       "hybrid": HybridDrafter(draft_model)})
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), *(pytest.param(s, marks=pytest.mark.slow) for s in (
-    SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={t: 2.0 for t in range(0, 64, 6)}),
-    SamplingParams(logits_processor=none_of_the_last_four)))])
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(1.0, 0.9, seed=3), *(
+    pytest.param(s, marks=pytest.mark.slow) for s in (
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={t: 2.0 for t in range(0, 64, 6)}),
+        SamplingParams(logits_processor=none_of_the_last_four)))])
 def test_replaying_an_off_request_predicts_every_arms_rounds_exactly(engine, sampling):
     """Greedy, also with penalties and a logit bias, or a caller's logits processor (the drafters
-    draft with them, and so does the replay)."""
+    draft with them, and so does the replay); and sampled with a seed (coupled, engine/coupled.py:
+    the output is the target's draws whatever the arm, and each draft the drafter's draw)."""
     for i, prompt in enumerate(prompts(12, seed=4)):
         max_new = 20 + i % 7
         output = engine.generate(prompt, OFF, max_new, sampling).tokens
@@ -78,7 +80,7 @@ def test_a_sampled_replay_predicts_rounds_in_expectation(engine):
     for arm in (Arm("small", 1), Arm("small", 4), Arm("ngram", 3), Arm("hybrid", 3)):
         served = predicted = 0
         for i, prompt in enumerate(prompts(24, seed=5)):
-            sampling = SamplingParams(temperature=1.0, seed=i)
+            sampling = SamplingParams(temperature=1.0, seed=i, coupled=False)  # the rejection rule
             result = engine.generate(prompt, arm, max_new_tokens=24, sampling=sampling)
             served += result.metrics.rounds
             predicted += len(replay_arm(engine, arm, prompt, result.tokens, 24, sampling))

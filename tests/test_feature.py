@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from autotune.train.head_training import head_losses
 from autotune.train.zoo import DEFAULT_FAMILY_DIR, load_engine, sample_from
-from engine import HybridDrafter, IncompatibleDrafterError, RoundControl, SpeculativeEngine
+from engine import HybridDrafter, IncompatibleDrafterError, RoundControl, SamplingParams, SpeculativeEngine
 from engine.feature import FeatureDrafter
 
 
@@ -97,9 +97,11 @@ def test_in_a_batch_each_row_drafts_and_keeps_what_it_does_alone(prefill_chunk):
         assert sum(r.metrics.accepted for r in out) > 0.5 * sum(r.metrics.drafted for r in out)
 
 
-def test_a_replay_predicts_the_committed_heads_rounds_exactly():
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(1.0, 0.95, seed=5)])
+def test_a_replay_predicts_the_committed_heads_rounds_exactly(sampling):
     """From one OFF request's output, the counterfactual replay (a target forward for the features,
-    then every round's head steps at once) gives the rounds each feature arm then served."""
+    then every round's head steps at once) gives the rounds each feature arm then served: greedy,
+    and sampled with a seed (coupled: the head's draws from the request's noise)."""
     from autotune.data.classes import builtin_classes
     from autotune.rewards.replay import replay_arm
     from engine import Arm
@@ -108,11 +110,12 @@ def test_a_replay_predicts_the_committed_heads_rounds_exactly():
     classes = builtin_classes(include_shared=False)
     for prompt in classes["code"].prompts[:2] + classes["edit"].prompts[:2]:
         ids = engine.encode(prompt).tolist()
-        output = engine.generate(ids, "off", max_new_tokens=40).tokens
+        output = engine.generate(ids, "off", 40, sampling).tokens
         for arm in (Arm("feature", 1), Arm("feature", 3), Arm("feature", 8), Arm("ngram+feature", 4)):
-            served = engine.generate(ids, arm, max_new_tokens=40).metrics
-            rounds = replay_arm(engine, arm, ids, output, 40)
+            served = engine.generate(ids, arm, 40, sampling).metrics
+            rounds = replay_arm(engine, arm, ids, output, 40, sampling)
             assert (len(rounds), sum(rounds)) == (served.rounds, served.drafted), arm
+    assert served.accepted < served.drafted  # sampled or not, some drafts were rejected
 
 
 def test_a_replay_from_the_features_a_request_was_served_with_predicts_the_rounds_exactly():

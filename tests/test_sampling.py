@@ -3,7 +3,8 @@
 Vocabulary 8 and 4 new tokens: token 1 comes from prefill, tokens 2..4 from one speculative
 round with K=2 (accept, reject-and-resample and bonus paths all occur). The joint law of
 (token 2, token 3) is computed exactly from the target and compared with the empirical one.
-A deliberately biased sampler (accept every draft) must fail the same test.
+A deliberately biased sampler (accept every draft) must fail the same test. Both rules are
+tested: the standard rejection rule and the drafter-invariant one (engine/coupled.py).
 """
 
 import dataclasses
@@ -63,6 +64,14 @@ def test_a_tiny_temperature_or_top_p_samples_its_limit_the_likeliest_tokens(temp
     nucleus = probabilities(logits, SamplingParams(1.0, top_p=temperature))  # top_p that small: one likeliest token
     assert torch.equal(nucleus.amax(-1), torch.ones(2)) and torch.equal(nucleus.sum(-1), torch.ones(2))
     assert torch.equal(logits.gather(-1, nucleus.argmax(-1, keepdim=True)), logits.amax(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("temperature", [1e38, 1e39, 1.7e308])
+def test_a_huge_temperature_samples_its_limit_every_possible_token_alike(temperature):
+    """Past float32's largest number the temperature was infinite there, and an impossible
+    token's -inf over it nan (schemathesis found a 500 with a disallowed token)."""
+    logits = torch.tensor([[1.0, 3.0, -float("inf"), 2.0]])
+    assert torch.allclose(probabilities(logits, SamplingParams(temperature)), torch.tensor([[1 / 3, 1 / 3, 0, 1 / 3]]))
 
 
 @pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e38, 10**300])
@@ -155,6 +164,8 @@ def slow(*values):
      ("ngram+feature:2", SamplingParams(1.0))],
 )
 def test_speculative_sampling_matches_the_target_distribution(models, arm, params):
+    """The standard rejection rule (an unseeded request's)."""
+    params = dataclasses.replace(params, coupled=False)
     target, drafter = models
     engine = SpeculativeEngine(target, {"draft": drafter, "ngram": NGramDrafter(2), "hybrid": HybridDrafter(drafter),
                                         "feature": feature_head(target),
@@ -174,8 +185,53 @@ def test_the_same_test_rejects_a_biased_sampler(models, monkeypatch):
         return len(draft), sample(target_probs[len(draft)], generator)
 
     monkeypatch.setattr(sampling_module, "verify_sampled", accept_everything)
-    params = SamplingParams(1.0)
+    params = SamplingParams(1.0, coupled=False)
     assert p_value(engine, "draft:2", params, exact_joint_of_tokens_2_and_3(target, params)) < ALPHA
+
+
+@pytest.mark.parametrize(("arm", "params"), [("draft:2", SamplingParams(1.0)), ("ngram+feature:2", SamplingParams(1.0)),
+                                             slow("draft:2", SamplingParams(0.7, 0.9, repetition_penalty=1.5))])
+def test_coupled_sampling_matches_the_target_distribution(models, arm, params):
+    """The drafter-invariant rule (a seeded request's): each token the target's Gumbel-max draw
+    from noise of the seed and position, a draft kept only when it equals that draw."""
+    params = dataclasses.replace(params, coupled=True)
+    target, drafter = models
+    engine = SpeculativeEngine(target, {"draft": drafter, "ngram+feature": HybridDrafter(feature_head(target))})
+    runs = [engine.generate(PROMPT, arm, 4, dataclasses.replace(params, seed=s)).metrics for s in range(20)]
+    assert 0 < sum(m.accepted for m in runs) < sum(m.drafted for m in runs)  # kept and rejected drafts both occur
+    assert p_value(engine, arm, params, exact_joint_of_tokens_2_and_3(target, params)) > ALPHA
+
+
+def test_the_same_test_rejects_a_coupled_sampler_that_keeps_every_draft(models, monkeypatch):
+    target, drafter = models
+    engine = SpeculativeEngine(target, {"draft": drafter})
+
+    def keep_every_draft(target_probs, draft, noise, start):
+        return len(draft), noise.draw(target_probs[len(draft)], start + len(draft))
+
+    monkeypatch.setattr(sampling_module, "verify_coupled", keep_every_draft)
+    params = SamplingParams(1.0, coupled=True)
+    assert p_value(engine, "draft:2", params, exact_joint_of_tokens_2_and_3(target, params)) < ALPHA
+
+
+def test_a_seed_gives_one_output_on_every_arm_alone_and_in_a_batch():
+    """20 seeded sampled requests of the committed family, each on OFF and six arms, alone and
+    in a batch beside other requests: one text per request. By the standard rejection rule
+    (`coupled=False`) the arms' texts differ, so the check can fail."""
+    from autotune.train.zoo import load_engine
+
+    engine = load_engine(drafters=["distilled", "feature", "feature-prose"])
+    arms = ["off", "distilled:4", "ngram:4", "feature:4", "ngram+feature:4", "ngram+distilled:3", "feature-prose:6"]
+    prompts = ["def parse(argv):\n", "The history of the city", "import numpy as np\n", "class Reader:\n    "]
+    requests = [(prompts[i % 4], SamplingParams(1.0, 0.95 if i % 2 else 1.0, seed=i)) for i in range(20)]
+    for prompt, sampling in requests[:4]:
+        texts = {engine.generate(prompt, arm, 24, dataclasses.replace(sampling, coupled=False)).text for arm in arms}
+        assert len(texts) > 1
+    alone = [[engine.generate(prompt, arm, 24, sampling).tokens for arm in arms] for prompt, sampling in requests]
+    assert all(len({tuple(tokens) for tokens in per_arm}) == 1 for per_arm in alone)
+    for arm in arms:
+        batched = engine.generate_batch([p for p, _ in requests], arm, 24, [s for _, s in requests])
+        assert [r.tokens for r in batched] == [per_arm[0] for per_arm in alone]
 
 
 @pytest.mark.slow

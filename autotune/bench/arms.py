@@ -24,11 +24,13 @@ def loops(tokens: list[int], min_len: int = 24) -> bool:
 
 def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
                prompts_per_class: int = 6, max_new_tokens: int | None = None, batch: int = 1,
-               progress=print) -> dict:
+               coupled: bool = False, progress=print) -> dict:
     """Every class on every arm, side by side; the ground truth the controller must learn.
 
     batch > 1 measures the load case: `prompts_per_class // 3` (at least 2) batches of a class's
-    next `batch` prompts, each served together on every arm, arms taking turns.
+    next `batch` prompts, each served together on every arm, arms taking turns. Sampled requests
+    are seeded, to be the same on every run, and sampled by the standard rejection rule, as an
+    unseeded request is, or with `coupled` by the drafter-invariant rule (engine/coupled.py).
     """
     out = {}
     compile_report = engine.warm_up(arms) if batch == 1 else {}
@@ -48,7 +50,8 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
             units = [[engine.encode(p).tolist() for p in prompts[i:i + batch]] for i in range(0, len(prompts), batch)]
         for i, unit in enumerate(units):
             for arm in rotate(arms, i):
-                sampling = [SamplingParams(cls.temperature, cls.top_p, seed=i * batch + j) for j in range(len(unit))]
+                sampling = [SamplingParams(cls.temperature, cls.top_p, seed=i * batch + j, coupled=coupled)
+                            for j in range(len(unit))]
                 if batch == 1:
                     r = engine.generate(unit[0], arm, limit, sampling[0])
                     rows, m = [r], r.metrics
@@ -87,7 +90,7 @@ def bench_arms(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms
         speedup = arms_out[best]["speedup_vs_off"]
         progress(f"{name}: best {best} ({speedup}x vs off), loop rate {loop_count}/{len(prompts)}")
     result = {"device": device_name(engine), "cache": engine.cache_kind, "prompts_per_class": prompts_per_class,
-              "batch": batch, "compile_s_total": compile_total(compile_report), "classes": out}
+              "batch": batch, "coupled": coupled, "compile_s_total": compile_total(compile_report), "classes": out}
     # What choosing per class could gain at all: the per-class oracle against the best single arm,
     # each class weighed by its OFF time (a stream with as many requests of each).
     _, static, gain = hindsight_arms({1: result}, Workload(dict.fromkeys(classes, 1.0)))  # one load: this one

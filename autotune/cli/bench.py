@@ -253,7 +253,7 @@ def _bench_arms(args, engine, bench) -> dict:
     for arm in arms:
         engine.check_request(1, arm, 1)  # an unknown drafter is named before anything runs
     return bench.bench_arms(engine, classes_of(args), arms, 2 if args.quick else args.prompts,
-                            32 if args.quick else None, batch=args.batch)
+                            32 if args.quick else None, batch=args.batch, coupled=args.coupled)
 
 
 def _bench_controller(args, engine, bench) -> dict:
@@ -399,6 +399,9 @@ def register(sub, common) -> None:
                         " prefix: requests per case (default 24); hostile: distinct request classes (default 300)")
     p.add_argument("--batch", type=at_least(1), default=1,
                    help="bench arms: serve each class's first N prompts together as one batch (load N)")
+    p.add_argument("--coupled", action="store_true",
+                   help="bench arms: sample by the drafter-invariant rule (a seeded request's default) rather"
+                        " than the standard rejection rule")
     p.add_argument("--arms-json", action="append",
                    help="bench controller: ground truth from `bench arms --json` (once per batch size)")
     p.add_argument("--burst-share", type=at_least(0, float, high=1), default=0.0,

@@ -223,7 +223,7 @@ class AutotuneController:
             self.others.served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.rewards.load_state_dict(store.load_policy_states(COSTS_POLICY))
         if settings.calibrate and self.policy.learns:
-            for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0)):
+            for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0, coupled=False)):
                 key = cost_key("1", not sampling.greedy)
                 stored = self.rewards.costs.get(key)
                 if stored is None:

@@ -19,6 +19,7 @@ import torch
 from autotune.rewards.costs import NO_MODEL, CostModel
 from autotune.rewards.siblings import kept_survival
 from engine import Arm, SamplingParams, SpeculativeEngine
+from engine.coupled import replay_noise
 from engine.drafters import capabilities, lookup_of, model_drafter_of
 from engine.feature import Features, feature_head_of
 from engine.replay import ReplayChains, ReplayInputs, lookup_chains, teacher_forced_logits
@@ -218,10 +219,12 @@ def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: l
     """Tokens drafted per round had `arm` served this request (one entry per round; expected if
     sampled); `features`: see `arm_rewards`."""
     sequence, start = prompt + output, len(prompt) + 1
-    target = None if sampling is None or sampling.greedy else target_probabilities(engine, sequence, start, sampling)
+    noise = replay_noise(sampling)
+    target = None if sampling is None or sampling.greedy or noise is not None \
+        else target_probabilities(engine, sequence, start, sampling)
     memo = {} if features is None else {"features": features}
     replayed = drafter_chains(engine.drafters[arm.drafter],
-                              ReplayInputs(sequence, start, arm.k, target, sampling, engine.target, memo))
+                              ReplayInputs(sequence, start, arm.k, target, sampling, engine.target, memo, noise))
     return replay(replayed.chains, replayed.proposed, arm.k, max_new_tokens)
 
 
@@ -278,14 +281,16 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
+    noises = [replay_noise(sp) for sp in samplings]
     targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
-               else None for sequence, start, sp in zip(sequences, starts, samplings)]
+               and noise is None else None for sequence, start, sp, noise in zip(sequences, starts, samplings, noises)]
     memos = [{} for _ in sequences]  # per sequence: each model's acceptances, computed once
     if features is not None and len(requests) == 1 and features.by_position.shape[0] >= len(sequences[0]) - 1:
         memos[0]["features"] = features
     chain_table = {name: [drafter_chains(engine.drafters[name],
-                                         ReplayInputs(sequence, start, k, target, sp, engine.target, memo))
-                          for sequence, start, target, sp, memo in zip(sequences, starts, targets, samplings, memos)]
+                                         ReplayInputs(sequence, start, k, target, sp, engine.target, memo, noise))
+                          for sequence, start, target, sp, memo, noise
+                          in zip(sequences, starts, targets, samplings, memos, noises)]
                    for name, k in longest.items()}
     chain_table = {name: rows for name, rows in chain_table.items() if all(row is not None for row in rows)}
     # In 1-token steps, as the played arm's reward prices them: never below one (the same few widths each round)
