@@ -95,7 +95,8 @@ class ApiRequest:
     nothing generated (completions with echo). `logprobs`: how many of
     the likeliest tokens to show per token (None: no logprobs). `add_special_tokens`: whether
     a text prompt gets the tokenizer's (a BOS; vLLM's: yes for completions, no for a chat,
-    whose template writes them). `options`: the controller's other keyword arguments."""
+    whose template writes them). `return_token_ids` (vLLM's): the prompt's and the output's token
+    ids go with the text. `options`: the controller's other keyword arguments."""
 
     prompts: tuple[str | tuple[int, ...], ...]
     chat: bool = False
@@ -110,6 +111,7 @@ class ApiRequest:
     logprobs: int | None = None
     add_special_tokens: bool = True
     request_class: str | None = None
+    return_token_ids: bool = False
     options: dict = field(default_factory=dict)
 
     @property
@@ -225,6 +227,7 @@ class SamplingBody(OpenAIBody):
     skip_special_tokens: bool | None = None
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     bad_words: Text | list[Text] | None = None
+    return_token_ids: bool = False  # the prompt's and the output's token ids beside the text
 
     @field_validator("logit_bias")
     @classmethod
@@ -263,7 +266,8 @@ class SamplingBody(OpenAIBody):
             top_p=self.top_p, seed=self.seed, stream=self.stream,
             include_usage=self.stream_options is not None and self.stream_options.include_usage, echo=echo,
             logprobs=logprobs, add_special_tokens=not chat if self.add_special_tokens is None
-            else self.add_special_tokens, request_class=self.request_class, options=options,
+            else self.add_special_tokens, request_class=self.request_class,
+            return_token_ids=self.return_token_ids, options=options,
         )
 
 
@@ -445,8 +449,9 @@ def response_choice(index: int, request: ApiRequest, prompt, prompt_ids: list[in
     if request.chat:
         logprobs = None if request.logprobs is None else _chat_logprobs(tokenizer, result.tokens, result.logprobs,
                                                                         request.logprobs)
+        ids = {"token_ids": result.tokens} if request.return_token_ids else {}  # the prompt's: the response's
         return {"index": index, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs,
-                "finish_reason": result.finish_reason, "autotune": own}
+                "finish_reason": result.finish_reason, **ids, "autotune": own}
     text, ids, entries = result.text, result.tokens, result.logprobs
     finish_reason = result.finish_reason
     if request.max_tokens == 0:  # the prompt scored: the token decoded with it is not part of the answer
@@ -455,17 +460,22 @@ def response_choice(index: int, request: ApiRequest, prompt, prompt_ids: list[in
         text = prompt_text(prompt, tokenizer) + text
         ids, entries = prompt_ids + ids, (result.prompt_logprobs or []) + (entries or [])
     logprobs = None if request.logprobs is None else _completion_logprobs(tokenizer, ids, entries)
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "autotune": own}
+    returned = {"prompt_token_ids": prompt_ids, "token_ids": ids} if request.return_token_ids else {}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **returned,
+            "autotune": own}
 
 
 def chunk_choice(index: int, request: ApiRequest, text: str, finish_reason: str | None = None,
-                 first: bool = False, logprobs: dict | None = None) -> dict:
+                 first: bool = False, logprobs: dict | None = None, token_ids: dict | None = None) -> dict:
     """One choice of a streamed chunk: a text delta (a chat's first opens the assistant's turn),
-    with the `logprobs` of the tokens behind it (`chunk_logprobs`)."""
+    with the `logprobs` of the tokens behind it (`chunk_logprobs`) and their `token_ids` fields
+    (vLLM's `return_token_ids`)."""
     if not request.chat:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                **(token_ids or {})}
     delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            **(token_ids or {})}
 
 
 def chunk_logprobs(request: ApiRequest, tokenizer, ids: list[int], entries: list[dict[int, float]],

@@ -437,6 +437,29 @@ class LogprobDeltas:
         return out
 
 
+class TokenIdDeltas:
+    """vLLM's `return_token_ids` in a stream: a choice's output token ids that no chunk has
+    carried go out with its next chunk, and its prompt's ids with its first."""
+
+    def __init__(self, request: ApiRequest, prompt_ids: list[int]) -> None:
+        self.on = request.return_token_ids
+        self.ids: list[int] = []
+        self.prompt_ids: list[int] | None = prompt_ids
+
+    def add(self, ids: list[int]) -> None:
+        if self.on:
+            self.ids += ids
+
+    def take(self) -> dict:
+        """The next chunk's fields ({} unless asked for)."""
+        if not self.on:
+            return {}
+        fields = {"token_ids": self.ids}
+        if self.prompt_ids is not None:
+            fields["prompt_token_ids"], self.prompt_ids = self.prompt_ids, None
+        self.ids = []
+        return fields
+
 
 STOP_MARGIN_S = 0.5  # a stop cuts requests this long before its grace ends, for their last bytes to go
 
@@ -551,6 +574,8 @@ class CompletionService:
         choices = [response_choice(i, request, prompt, ids[i // request.n], result, self.tokenizer)
                    for i, ((prompt, _), result) in enumerate(zip(request.choices(), results))]
         whole = envelope(request, _request_id(request), self.model_name, int(time.time()), choices)
+        if request.chat and request.return_token_ids:
+            whole["prompt_token_ids"] = ids[0]
         return JSONResponse({**whole, "usage": usage(results, request)})
 
     async def stream(self, request: ApiRequest, ids: list[list[int]]) -> AsyncIterator[str]:
@@ -582,31 +607,37 @@ class CompletionService:
         request_id, created = _request_id(request), int(time.time())  # one `created` for every chunk
 
         def chunk(choices: list[dict]) -> str:
-            return _event(envelope(request, request_id, self.model_name, created, choices, chunk=True))
+            head = envelope(request, request_id, self.model_name, created, choices, chunk=True)
+            if request.chat and "prompt_token_ids" in choices[0]:  # vLLM's chat sends them on the chunk
+                head["prompt_token_ids"] = choices[0].pop("prompt_token_ids")
+            return _event(head)
         texts = [TextDeltas(self.tokenizer, request.options) for _ in rows]
         logprobs = [LogprobDeltas(request, self.tokenizer) for _ in rows]
+        token_ids = [TokenIdDeltas(request, ids[i // request.n]) for i in range(len(rows))]
         results: dict[int, ControlledResult | None] = {}
         try:
             for i, (prompt, _) in enumerate(rows):
                 if request.chat or request.echo:  # a chat's turn opens; an echo starts with the prompt
                     text = prompt_text(prompt, self.tokenizer) if request.echo else ""
-                    yield chunk([chunk_choice(i, request, text, first=True)])
+                    yield chunk([chunk_choice(i, request, text, first=True, token_ids=token_ids[i].take())])
             while len(results) < len(rows):
                 kind, i, payload = await events.get()
                 if kind == "tokens":
                     tokens, entries = payload
                     logprobs[i].add(tokens, entries)
+                    token_ids[i].add(tokens)
                     if delta := texts[i].add(tokens):
-                        yield chunk([chunk_choice(i, request, delta, logprobs=logprobs[i].take())])
+                        yield chunk([chunk_choice(i, request, delta, logprobs=logprobs[i].take(),
+                                                  token_ids=token_ids[i].take())])
                 elif kind == "cut":
                     for i in sorted(set(range(len(rows))) - set(results)):
                         results[i] = None
                         yield chunk([chunk_choice(i, request, texts[i].rest_so_far(), "abort",
-                                                  logprobs=logprobs[i].take())])
+                                                  logprobs=logprobs[i].take(), token_ids=token_ids[i].take())])
                 elif kind == "done":
                     results[i] = payload
                     last = chunk_choice(i, request, texts[i].rest(payload.text), payload.finish_reason,
-                                        logprobs=logprobs[i].take())
+                                        logprobs=logprobs[i].take(), token_ids=token_ids[i].take())
                     yield chunk([last])
                 else:
                     results[i] = None
