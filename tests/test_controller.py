@@ -173,6 +173,34 @@ def test_a_store_whose_costs_were_not_measured_side_by_side_is_calibrated_again(
         assert set(costs.relative_verify) == {"small", NO_MODEL}  # n-gram lookup runs no model
 
 
+def test_a_calibration_in_the_background_serves_off_until_the_costs_are_known(engine, tmp_path, monkeypatch):
+    """`calibrate_in_background` (a server's first start): the controller serves at once, OFF
+    until the costs are measured, then stores them; closed while it calibrates, it stops and
+    stores none."""
+    import threading
+
+    import autotune.control.controller as controller_module
+
+    gate, measure = threading.Event(), controller_module.calibrate_costs
+    monkeypatch.setattr(controller_module, "calibrate_costs", lambda *a: gate.wait(60) and measure(*a))
+    arms = [OFF, Arm("small", 2), Arm("ngram", 3)]
+    with Store(f"sqlite:///{tmp_path / 'store.db'}") as store:
+        ctl = AutotuneController(engine, store, policy="ucb", arms=arms, calibrate_in_background=True)
+        served = [ctl.generate(p, request_class="code", max_new_tokens=8).arm for p in PROMPTS[:3]]
+        assert served == [OFF] * 3 and not ctl.calibrated.is_set()
+        gate.set()
+        assert ctl.calibrated.wait(120)
+        ctl.close()
+        assert {"1", "1 sampled"} <= set(store.load_policy_states("__costs__"))
+        assert all(store.load_policy_states("__costs__")[key]["relative_verify"] for key in ("1", "1 sampled"))
+    gate.clear()
+    with Store(f"sqlite:///{tmp_path / 'stopped.db'}") as store:
+        stopped = AutotuneController(engine, store, policy="ucb", arms=arms, calibrate_in_background=True)
+        threading.Timer(0.2, gate.set).start()
+        stopped.close()  # while it waits to calibrate
+        assert not stopped.calibrated.is_set() and "1" not in store.load_policy_states("__costs__")
+
+
 class ReplayRecorder(Policy):
     """Plays small:2 and records whether each update came with counterfactual estimates."""
 

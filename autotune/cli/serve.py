@@ -52,9 +52,10 @@ def cmd_serve(args) -> None:
     with Store(args.db, label="serve") as store:
         if not args.arm:  # the skip sets `autotune tune --layer-skip` found best per class join the arms
             add_tuned_skip_sets(engine, store.url)
+        # a first start answers at once: the costs are measured while requests are served OFF
         with AutotuneController(engine, store, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk or None,
                                 classifier=RequestClassifier.from_store(store),  # classes of the store's history
-                                **policy) as controller:
+                                calibrate_in_background=True, **policy) as controller:
             seed_from_studies(controller, store.url)
             _serve_forever(args, controller, name, f"batches of up to {args.max_batch},"
                            f" {args.prefix_cache_tokens} prompt tokens kept a model")

@@ -222,15 +222,34 @@ class AutotuneController:
             self.learner.resume()
             self.others.served = {k: int(v["served"]) for k, v in store.load_policy_states(SERVED_POLICY).items()}
             self.rewards.load_state_dict(store.load_policy_states(COSTS_POLICY))
-        if settings.calibrate and self.policy.learns:
-            for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0, coupled=False)):
-                key = cost_key("1", not sampling.greedy)
-                stored = self.rewards.costs.get(key)
+        self.calibrated = threading.Event()  # the costs are known (or nothing is to be measured)
+        self._stopping = threading.Event()
+        self._calibration: threading.Thread | None = None
+        if not (settings.calibrate and self.policy.learns):
+            self.calibrated.set()
+        elif settings.calibrate_in_background:
+            self._calibration = threading.Thread(target=self._calibrate, name="calibration", daemon=True)
+            self._calibration.start()
+        else:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Measure what OFF and each drafter cost, greedy and sampled, where the store has not
+        (`calibrate_costs`); stopped by `close`, what was measured of a kind is dropped."""
+        for sampling in (SamplingParams(), SamplingParams(0.7, 0.9, seed=0, coupled=False)):
+            key = cost_key("1", not sampling.greedy)
+            stored = self.rewards.costs.get(key)
+            if stored is not None and stored.relative_verify:
+                continue
+            measured = calibrate_costs(self.engine, self.others.ks, sampling, self.engine_lock, self._stopping)
+            if measured is None:
+                return
+            with self.policy_lock:
                 if stored is None:
-                    self.rewards.costs[key] = calibrate_costs(engine, self.others.ks, sampling, self.engine_lock)
-                elif not stored.relative_verify:  # a store from before costs were measured side by side
-                    measured = calibrate_costs(engine, self.others.ks, sampling, self.engine_lock)
+                    self.rewards.costs[key] = measured
+                else:  # a store from before costs were measured side by side
                     stored.relative_draft, stored.relative_verify = measured.relative_draft, measured.relative_verify
+        self.calibrated.set()
 
     def _reachable_arms(self) -> list[Arm]:
         """The policy's arms, plus the largest K a schedule that moves K inside a request can reach."""
@@ -471,15 +490,16 @@ class AutotuneController:
         """The policy's arm for `context`, or OFF where it must be OFF (the one place that overrides
         a policy): a learning policy's rewards are speedups over OFF, so where OFF's cost at this
         load is not known (`RewardModel.knows_off`; for continuous batches' `segments`, OFF's
-        rounds) nothing could be learned true to scale; and an arm whose drafter cannot take the
+        rounds), or the costs are still being measured (`calibrated`), nothing could be learned
+        true to scale; and an arm whose drafter cannot take the
         requests (`fits` False) would lose them, where OFF serves any request the target takes."""
         with self.policy_lock:
             arm = self.policy.choose(context)
             self._check_arm(arm)
             if arm.is_off:
                 return context, arm
-            if (self.policy.learns and not self.rewards.knows_off(context, segments)) or \
-                    (fits is not None and not fits(arm)):
+            if (self.policy.learns and not (self.calibrated.is_set() and self.rewards.knows_off(context, segments))) \
+                    or (fits is not None and not fits(arm)):
                 arm = OFF
         return context, arm
 
@@ -580,7 +600,11 @@ class AutotuneController:
 
     def close(self) -> None:
         """Let requests in flight from `agenerate` finish, and the batch being served learn from
-        its last rounds, then save what was learned and flush every observation to the store."""
+        its last rounds, then save what was learned and flush every observation to the store; a
+        calibration in the background stops (what it measured is dropped)."""
+        if self._calibration is not None:
+            self._stopping.set()
+            self._calibration.join()
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None

@@ -27,7 +27,8 @@ class ControllerSettings:
     - `pause_alone`: a request served alone pauses when another arrives and finishes in a
       continuous batch with it; None: except on a compiled engine.
     - `calibrate`: measure OFF and every drafter before the first request, so that no request
-      has to be served OFF to price the others.
+      has to be served OFF to price the others; `calibrate_in_background`: while requests are
+      served instead, each OFF until the costs are known (a server's first start answers at once).
     """
 
     save_every: int = 25
@@ -45,6 +46,7 @@ class ControllerSettings:
     pause_alone: bool | None = None
     prefill_chunk: int | None = 2048
     calibrate: bool = True
+    calibrate_in_background: bool = False
 
     def __post_init__(self) -> None:
         # Several would otherwise be taken silently (a negative wait) or fail only later, on

@@ -244,7 +244,7 @@ def _disagree(first: tuple[GenerationMetrics, float], second: tuple[GenerationMe
 
 
 def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: SamplingParams,
-              engine_lock: threading.Lock) -> CostModel:
+              engine_lock: threading.Lock, stop: threading.Event | None = None) -> CostModel | None:
     """What OFF's steps and each drafter's rounds cost alone, measured before the first request
     on CALIBRATION_TEXT (random token ids without a tokenizer; each drafter of `ks` at every K of
     it, CALIBRATION_TOKENS each), so that the first request needs no OFF baseline, every arm can
@@ -254,7 +254,8 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
     replay after it until requests' OFF rounds among their own outvote them
     (CostModel.observe_side_by_side, `RewardModel.probes_for`); the costs in seconds are
     replaced by requests' as they come (each a median over requests, by rounds). A drafter's
-    prefill is not priced from here: it is learned when the drafter is played."""
+    prefill is not priced from here: it is learned when the drafter is played. None if `stop` is
+    set before it ends (a server stopping while it calibrates in the background)."""
     costs = CostModel(verify_owners=verify_owners(engine))
     length = CALIBRATION_PROMPT if engine.max_length is None else \
         max(1, min(CALIBRATION_PROMPT, engine.max_length - CALIBRATION_TOKENS - MAX_K - 1))
@@ -273,6 +274,8 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
 
     def run(arm: Arm, recorded: bool = True) -> GenerationMetrics | None:
         tokens = (CALIBRATION_OFF_TOKENS if arm.is_off else CALIBRATION_TOKENS) if recorded else 4
+        if stop is not None and stop.is_set():
+            return None
         try:
             with engine_lock:
                 metrics = engine.generate(prompt, arm, tokens, sampling).metrics
@@ -309,6 +312,8 @@ def calibrate(engine: SpeculativeEngine, ks: dict[str, list[int]], sampling: Sam
         logger.info("calibration: %s measured a third time (two runs %.0f %% or more apart)",
                     ", ".join(map(str, apart)), 100 * (CALIBRATION_AGREEMENT - 1))
         passes.append(side_by_side(apart))
+    if stop is not None and stop.is_set():
+        return None
     for measured in passes:
         for arm, (metrics, off_step) in measured.items():
             costs.observe_side_by_side(arm, metrics, off_step)
