@@ -388,9 +388,10 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_output(served):
 
 
 def test_concurrent_clients_teach_the_policy_at_their_load(tmp_path):
-    """Rounds of 16 concurrent requests over HTTP, queued while the engine is held so that each
-    round is served together: the store journals updates at load 5+, speculative ones with their
-    own rewards (not OFF's 1), and every arm that served rows at that load learned from them."""
+    """Requests one at a time, then rounds of 16 concurrent requests over HTTP, queued while the
+    engine is held so that each round is served together: the store journals updates at load 5+,
+    speculative ones with their own rewards (not OFF's 1), and every arm that served rows at that
+    load learned from them."""
     import time
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_FAMILY_DIR / "target")
