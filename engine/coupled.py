@@ -70,7 +70,9 @@ def drawn_equal(noise: PositionNoise, probs: torch.Tensor, positions: list[int],
     return [float(noise.draw(p, position) == token) for p, position, token in zip(probs, positions, tokens)]
 
 
-def replay_noise(sampling) -> PositionNoise | None:
-    """A served request's noise, where a replay can draw it again: coupled and seeded."""
-    return PositionNoise(sampling.seed) if sampling is not None and sampling.couples and sampling.seed is not None \
-        else None
+def replay_noise(sampling, device: torch.device | str) -> PositionNoise | None:
+    """A served request's noise, where a replay can draw it again: coupled and seeded, on the
+    engine's `device` (a generator's stream differs from one kind of device to another)."""
+    if sampling is None or not sampling.couples or sampling.seed is None:
+        return None
+    return PositionNoise(sampling.seed, device)

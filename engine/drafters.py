@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from engine.replay import ReplayChains, ReplayInputs, lookup_chains, model_chains
 from engine.round import Drafts, Row
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, draft_token
+from engine.sampling import Randomness, SamplingParams, draft_token
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Drafter(Protocol):
         tokens: list[int],
         k: int,
         params: SamplingParams,
-        generator: torch.Generator | None,
+        generator: Randomness | None,
     ) -> tuple[list[int], torch.Tensor | None]:
         """Up to k draft tokens following `tokens`, and their q distribution [len, V] or None."""
         ...

@@ -34,7 +34,7 @@ from engine.prefix import PrefixCache
 from engine.results import BatchRequest, BatchResult, GenerationMetrics, GenerationResult
 from engine.round import Drafts, Row, decode_round, stream
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams, probabilities, prompt_logprobs, sample
+from engine.sampling import Randomness, SamplingParams, probabilities, prompt_logprobs, sample
 from engine.schedule import NO_CONTROL, ConstantK, KSchedule, RoundControl
 from engine.stopping import Stopping, finish_reason
 from engine.streaming import Streamer, check_streamer, end_stream
@@ -587,7 +587,7 @@ class SpeculativeEngine:
                         sampling.include_stop_str_in_output, sampling.min_tokens, sampling.stopping_criteria,
                         sampling.skip_special_tokens)
 
-    def _generator(self, sampling: SamplingParams) -> torch.Generator | PositionNoise | None:
+    def _generator(self, sampling: SamplingParams) -> Randomness | None:
         """A sampled request's own randomness (seeded when it gives a seed): its noise per position
         when it is coupled, else a random stream; None for greedy."""
         if sampling.greedy:

@@ -8,8 +8,8 @@ the target's features (engine/feature.py). Sampled requests get the same in expe
 rejection sampling keeps a draft from q where the target samples from p with probability
 sum_x min(p(x), q(x)). A seeded sampled request, coupled (engine/coupled.py), gets it exactly:
 its output is the target's own draws, and a draft is kept where the drafter's draw from the
-same noise equals the token there. Each drafter that declares `Capabilities(replay=True)` says so for
-itself (`replay_chains`); the controller turns the chains into rounds and time
+same noise equals the token there. Each drafter that declares `Capabilities(replay=True)` says
+so for itself (`replay_chains`); the controller turns the chains into rounds and time
 (autotune/rewards/replay.py).
 """
 

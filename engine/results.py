@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from engine.arms import MAX_K, Arm
-from engine.sampling import SamplingParams
+from engine.sampling import Randomness, SamplingParams
 from engine.streaming import Streamer
 
 
@@ -169,7 +169,7 @@ class BatchRequest:
     sampling: SamplingParams | None = None
     streamer: Streamer | None = None
     resumes: GenerationResult | None = None
-    generator: torch.Generator | None = None
+    generator: Randomness | None = None
     cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the paused part's (ModelRunner.cached)
 
 

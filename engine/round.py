@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from engine.results import GenerationMetrics, GenerationResult
-from engine.sampling import SamplingParams, commit
+from engine.sampling import Randomness, SamplingParams, commit
 from engine.stopping import Stopping
 from engine.streaming import Streamer, put_prompt, put_tokens
 
@@ -35,7 +35,7 @@ class Row:
     prompt_len: int
     max_new_tokens: int
     sampling: SamplingParams
-    generator: torch.Generator | None
+    generator: Randomness | None
     stopping: Stopping  # the model's EOS, the request's stop_token_ids and stop strings
     metrics: GenerationMetrics
     streamer: Streamer | None = None

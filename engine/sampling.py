@@ -20,6 +20,9 @@ import torch
 from engine.coupled import PositionNoise, verify_coupled
 from engine.errors import InvalidRequestError
 
+# A sampled request's randomness: its generator, or its noise per position when it is coupled
+Randomness = torch.Generator | PositionNoise
+
 MAX_LOGPROBS = 20  # alternatives per output token, as vLLM's default limit
 SEED_RANGE = (-2**63, 2**63 - 1)  # vLLM's: a 64-bit signed seed
 FLOAT32 = torch.finfo(torch.float32)
@@ -367,7 +370,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def draw(probs: torch.Tensor, randomness: torch.Generator | PositionNoise | None, position: int) -> int:
+def draw(probs: torch.Tensor, randomness: Randomness | None, position: int) -> int:
     """A token drawn from `probs` [V] for `position` of the sequence, by the request's randomness:
     its coupled noise there, or its generator's next draw."""
     if isinstance(randomness, PositionNoise):
@@ -376,7 +379,7 @@ def draw(probs: torch.Tensor, randomness: torch.Generator | PositionNoise | None
 
 
 def draft_token(logits: torch.Tensor, history: list[int], output_start: int, params: SamplingParams,
-                generator: torch.Generator | PositionNoise | None) -> tuple[int, torch.Tensor | None]:
+                generator: Randomness | None) -> tuple[int, torch.Tensor | None]:
     """A drafter's next token from its logits [V] after `history` (the request's tokens and the
     round's drafts so far), edited and drawn as the target will pick, so that its drafts are
     kept; and the distribution it was drawn from [V] (None when greedy: a point mass)."""
@@ -389,7 +392,7 @@ def draft_token(logits: torch.Tensor, history: list[int], output_start: int, par
 
 
 def commit(logits: torch.Tensor, tokens: list[int], draft: list[int], draft_probs: torch.Tensor | None,
-           params: SamplingParams, stopping, generator: torch.Generator | PositionNoise | None
+           params: SamplingParams, stopping, generator: Randomness | None
            ) -> tuple[list[int], list[dict[int, float]] | None]:
     """What a round commits after `tokens`, from the target's `logits` [len(draft) + 1, V] over
     `draft` (a prefill: no draft, one row): the drafts kept and the target's next token, and

@@ -219,7 +219,7 @@ def replay_arm(engine: SpeculativeEngine, arm: Arm, prompt: list[int], output: l
     """Tokens drafted per round had `arm` served this request (one entry per round; expected if
     sampled); `features`: see `arm_rewards`."""
     sequence, start = prompt + output, len(prompt) + 1
-    noise = replay_noise(sampling)
+    noise = replay_noise(sampling, engine.device)
     target = None if sampling is None or sampling.greedy or noise is not None \
         else target_probabilities(engine, sequence, start, sampling)
     memo = {} if features is None else {"features": features}
@@ -281,7 +281,7 @@ def arm_rewards(engine: SpeculativeEngine, arms: list[Arm], costs: CostModel,
             longest[arm.drafter] = max(longest.get(arm.drafter, 0), arm.k)
     sequences = [prompt + output for prompt, output, _ in requests]
     starts = [len(prompt) + 1 for prompt, _, _ in requests]
-    noises = [replay_noise(sp) for sp in samplings]
+    noises = [replay_noise(sp, engine.device) for sp in samplings]
     targets = [target_probabilities(engine, sequence, start, sp) if sp is not None and not sp.greedy and longest
                and noise is None else None for sequence, start, sp, noise in zip(sequences, starts, samplings, noises)]
     memos = [{} for _ in sequences]  # per sequence: each model's acceptances, computed once
