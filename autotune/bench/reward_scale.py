@@ -34,7 +34,8 @@ from engine import Arm, RoundControl, SamplingParams, SpeculativeEngine
 
 DEFAULT_ARMS = ("ngram:4", "distilled:4", "feature:4", "feature:8", "ngram+feature:4", "ngram+feature:8")
 LONG_PROMPT = 256  # tokens from which a prompt counts as long in the per-kind rows (qa and summarize's, mostly)
-CALIBRATION_SAMPLING = {False: SamplingParams(), True: SamplingParams(0.7, 0.9, seed=0)}  # as the controller's
+# as the controller's calibration samples: by the standard rule
+CALIBRATION_SAMPLING = {False: SamplingParams(), True: SamplingParams(0.7, 0.9, seed=0, coupled=False)}
 
 
 def bench_reward_scale(engine: SpeculativeEngine, classes: dict[str, RequestClass], arms: list[Arm],
