@@ -137,15 +137,9 @@ UNSERVED = {
 
 
 class _Strict(BaseModel):
-    """Typed strictly (no "3" for 3, no true for 1; but 3.0 is 3, an integer as JSON Schema counts
-    it); other fields kept aside (`model_extra`)."""
+    """Typed strictly (no "3" for 3, no true for 1); other fields kept aside (`model_extra`)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _integral_numbers(cls, body: Any) -> Any:
-        return _integral(body)
 
 
 def _integral(value: Any) -> Any:
@@ -164,6 +158,13 @@ class OpenAIBody(_Strict):
     send their own (the OpenAI SDK's `store`, `metadata`; vLLM's `priority`, `chat_template_kwargs`)."""
 
     model: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_numbers(cls, body: Any) -> Any:
+        """3.0 is 3, an integer as JSON Schema counts it; the whole body at once, nested parts
+        (messages, stream options) included, so that they are not walked again."""
+        return _integral(body)
 
     @model_validator(mode="before")
     @classmethod
